@@ -1,0 +1,103 @@
+#include "common/tensor_codec.h"
+
+#include <cstring>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "common/torch_runtime.h"
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "the wire format is little-endian; add byte swapping for this host");
+
+namespace himoe {
+
+absl::StatusOr<c10::ScalarType> ScalarTypeFromProto(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32: return c10::kFloat;
+    case v1::DTYPE_BFLOAT16: return c10::kBFloat16;
+    case v1::DTYPE_FLOAT16: return c10::kHalf;
+    case v1::DTYPE_INT64: return c10::kLong;
+    case v1::DTYPE_INT32: return c10::kInt;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dtype: unknown or unspecified value ", static_cast<int>(dtype),
+          "; expected FLOAT32, BFLOAT16, FLOAT16, INT64 or INT32"));
+  }
+}
+
+absl::StatusOr<v1::DType> DTypeToProto(c10::ScalarType type) {
+  switch (type) {
+    case c10::kFloat: return v1::DTYPE_FLOAT32;
+    case c10::kBFloat16: return v1::DTYPE_BFLOAT16;
+    case c10::kHalf: return v1::DTYPE_FLOAT16;
+    case c10::kLong: return v1::DTYPE_INT64;
+    case c10::kInt: return v1::DTYPE_INT32;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dtype: ", c10::toString(type), " has no wire encoding"));
+  }
+}
+
+absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* out) {
+  if (!tensor.defined()) return absl::InvalidArgumentError("tensor: undefined");
+  ASSIGN_OR_RETURN(const v1::DType dtype, DTypeToProto(tensor.scalar_type()));
+  return CatchTorchErrors([&] {
+    // No-ops for a contiguous CPU tensor: then the only copy is into `out`.
+    const at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
+    out->set_dtype(dtype);
+    out->clear_shape();
+    for (const int64_t s : cpu.sizes()) out->add_shape(s);
+    out->set_data(cpu.data_ptr(), cpu.nbytes());
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto,
+                                        absl::string_view field) {
+  auto scalar_type = ScalarTypeFromProto(proto.dtype());
+  if (!scalar_type.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".", scalar_type.status().message()));
+  }
+  const int64_t element_size = c10::elementSize(*scalar_type);
+  std::vector<int64_t> shape(proto.shape().begin(), proto.shape().end());
+  int64_t numel = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".shape[", i, "] is ", shape[i], "; dimensions must be >= 0"));
+    }
+    if (__builtin_mul_overflow(numel, shape[i], &numel)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".shape [", absl::StrJoin(shape, ","),
+          "]: the element count overflows int64"));
+    }
+  }
+  int64_t expected_bytes = 0;
+  if (__builtin_mul_overflow(numel, element_size, &expected_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".shape [", absl::StrJoin(shape, ","),
+        "]: the byte count overflows int64"));
+  }
+  if (static_cast<int64_t>(proto.data().size()) != expected_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".data has ", proto.data().size(), " bytes; shape [",
+        absl::StrJoin(shape, ","), "] of ", c10::toString(*scalar_type),
+        " needs ", expected_bytes));
+  }
+  at::Tensor out;
+  RETURN_IF_ERROR(CatchTorchErrors([&] {
+    out = at::empty(shape, at::TensorOptions().dtype(*scalar_type));
+    if (expected_bytes > 0) {
+      std::memcpy(out.data_ptr(), proto.data().data(), expected_bytes);
+    }
+    return absl::OkStatus();
+  }));
+  return out;
+}
+
+}  // namespace himoe

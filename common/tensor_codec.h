@@ -1,0 +1,28 @@
+#ifndef HIMOE_COMMON_TENSOR_CODEC_H_
+#define HIMOE_COMMON_TENSOR_CODEC_H_
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "himoe/v1/tensor.pb.h"
+
+namespace himoe {
+
+// Wire dtype <-> torch scalar type. Unknown values give InvalidArgument.
+absl::StatusOr<c10::ScalarType> ScalarTypeFromProto(v1::DType dtype);
+absl::StatusOr<v1::DType> DTypeToProto(c10::ScalarType type);
+
+// Writes `tensor` (any device, any layout) as little-endian row-major bytes.
+// The bytes are copied once into `out`.
+absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* out);
+
+// Validates `proto` completely (known dtype, non-negative shape, numel fits in
+// int64, byte length == numel * element size) and returns a CPU tensor that
+// owns a single copy of the bytes. `field` names the message field in errors.
+absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto,
+                                        absl::string_view field = "tensor");
+
+}  // namespace himoe
+
+#endif  // HIMOE_COMMON_TENSOR_CODEC_H_

@@ -1,0 +1,61 @@
+#include "common/torch_runtime.h"
+
+#include <sched.h>
+
+#include <exception>
+#include <thread>
+
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace himoe {
+
+int DefaultThreadCount() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw > 0 ? static_cast<int>(hw) : 1;
+}
+
+absl::Status ConfigureTorchThreads(int threads) {
+  if (threads <= 0) threads = DefaultThreadCount();
+  return CatchTorchErrors([&] {
+    at::set_num_threads(threads);
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<c10::Device> ParseDevice(absl::string_view spec) {
+  if (spec == "cpu") return c10::Device(c10::kCPU);
+  if (spec.rfind("cuda", 0) == 0) {
+    if (!at::hasCUDA()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "device '", spec, "' requested, but this LibTorch build has no CUDA"));
+    }
+  }
+  try {
+    return c10::Device(std::string(spec));
+  } catch (const c10::Error&) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device: expected 'cpu' or 'cuda:K', got '", spec, "'"));
+  }
+}
+
+absl::Status CatchTorchErrors(const std::function<absl::Status()>& fn) {
+  try {
+    return fn();
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        absl::StrCat("torch error: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("error: ", e.what()));
+  }
+}
+
+}  // namespace himoe

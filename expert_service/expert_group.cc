@@ -1,0 +1,119 @@
+#include "expert_service/expert_group.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <torch/types.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "common/torch_runtime.h"
+
+namespace himoe::expert {
+namespace {
+
+// A distinct, stable seed per (seed, layer, expert).
+uint64_t ExpertSeed(uint64_t seed, int layer, int64_t expert) {
+  uint64_t h = seed ^ 0x9E3779B97F4A7C15ull;
+  for (const uint64_t v : {static_cast<uint64_t>(layer), static_cast<uint64_t>(expert)}) {
+    h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+    h *= 0xBF58476D1CE4E5B9ull;
+  }
+  return h;
+}
+
+// nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+at::Tensor Uniform(at::IntArrayRef shape, int64_t fan_in, at::Generator& gen) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+  return at::empty(shape, at::dtype(at::kFloat)).uniform_(-bound, bound, gen);
+}
+
+}  // namespace
+
+at::Tensor ExpertFfn(const at::Tensor& x, const at::Tensor& w1,
+                     const at::Tensor& b1, const at::Tensor& w2,
+                     const at::Tensor& b2) {
+  return at::linear(at::gelu(at::linear(x, w1, b1)), w2, b2);
+}
+
+absl::StatusOr<std::unique_ptr<ExpertGroup>> ExpertGroup::Create(
+    const ExpertGroupOptions& o) {
+  if (o.group_id < 0 || o.experts_per_group < 1 || o.d_model < 1 || o.d_ff < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert group: need group_id >= 0, experts_per_group >= 1, d_model >= 1, "
+        "d_ff >= 1; got ", o.group_id, ", ", o.experts_per_group, ", ", o.d_model,
+        ", ", o.d_ff));
+  }
+  if (o.dtype != c10::kFloat && o.dtype != c10::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert group: dtype must be float32 or bfloat16, got ", c10::toString(o.dtype)));
+  }
+  std::unique_ptr<ExpertGroup> group(new ExpertGroup(o));
+  RETURN_IF_ERROR(CatchTorchErrors([&] {
+    std::vector<at::Tensor> w1, b1, w2, b2;
+    for (int s = 0; s < o.experts_per_group; ++s) {
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(
+          ExpertSeed(o.seed, o.layer, group->first_expert() + s));
+      w1.push_back(Uniform({o.d_ff, o.d_model}, o.d_model, gen));
+      b1.push_back(Uniform({o.d_ff}, o.d_model, gen));
+      w2.push_back(Uniform({o.d_model, o.d_ff}, o.d_ff, gen));
+      b2.push_back(Uniform({o.d_model}, o.d_ff, gen));
+    }
+    const auto place = [&](const std::vector<at::Tensor>& parts) {
+      return at::stack(parts).to(o.device, o.dtype).set_requires_grad(true);
+    };
+    group->w1_ = place(w1);
+    group->b1_ = place(b1);
+    group->w2_ = place(w2);
+    group->b2_ = place(b2);
+    return absl::OkStatus();
+  }));
+  return group;
+}
+
+absl::StatusOr<at::Tensor> ExpertGroup::Forward(const at::Tensor& rows,
+                                                const at::Tensor& expert_ids) const {
+  if (rows.dim() != 2 || rows.size(1) != options_.d_model) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert group ", options_.group_id, ": rows must be [n, d_model=",
+        options_.d_model, "], got [", absl::StrJoin(rows.sizes(), ", "), "]"));
+  }
+  if (expert_ids.dim() != 1 || expert_ids.size(0) != rows.size(0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert group ", options_.group_id, ": expert_ids must be [n=", rows.size(0),
+        "], got [", absl::StrJoin(expert_ids.sizes(), ", "), "]"));
+  }
+  at::Tensor out;
+  RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+    const at::Tensor local =
+        (expert_ids.to(options_.device, at::kLong) - first_expert());
+    if (local.numel() > 0 &&
+        (local.min().item<int64_t>() < 0 ||
+         local.max().item<int64_t>() >= options_.experts_per_group)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "expert group ", options_.group_id, ": expert ids must be in [",
+          first_expert(), ", ", first_expert() + options_.experts_per_group, ")"));
+    }
+    const at::Tensor x = rows.to(options_.device, options_.dtype);
+    out = at::zeros({rows.size(0), options_.d_model}, x.options());
+    for (int64_t s = 0; s < options_.experts_per_group; ++s) {
+      const at::Tensor idx = at::nonzero(local.eq(s)).reshape(-1);
+      if (idx.numel() == 0) continue;
+      const at::Tensor y = ExpertFfn(x.index_select(0, idx), w1_[s], b1_[s], w2_[s], b2_[s]);
+      out = out.index_copy(0, idx, y);
+    }
+    return absl::OkStatus();
+  }));
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ExpertGroup::named_parameters() const {
+  return {{"w1", w1_}, {"b1", b1_}, {"w2", w2_}, {"b2", b2_}};
+}
+
+std::vector<at::Tensor> ExpertGroup::parameters() const {
+  return {w1_, b1_, w2_, b2_};
+}
+
+}  // namespace himoe::expert

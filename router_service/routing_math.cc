@@ -1,0 +1,203 @@
+#include "router_service/routing_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include <ATen/ATen.h>
+#include <torch/types.h>
+
+namespace himoe::router {
+
+at::Tensor RouterLogits(const at::Tensor& x, const at::Tensor& gate_weight) {
+  return at::matmul(x.to(at::kFloat), gate_weight.to(at::kFloat).t());
+}
+
+void UpdateLogitEma(at::Tensor& ema, const at::Tensor& logits, double beta) {
+  at::NoGradGuard no_grad;
+  ema.mul_(beta).add_(logits.detach().mean(0), 1.0 - beta);
+}
+
+at::Tensor CorrectedProbs(const at::Tensor& logits, const at::Tensor& ema,
+                          double tau, double temperature) {
+  return at::softmax((logits - tau * ema.detach()) / temperature, -1);
+}
+
+Selection SelectFlatTopK(const at::Tensor& scores, int64_t total_k) {
+  at::NoGradGuard no_grad;
+  Selection s;
+  s.ids = std::get<1>(at::topk(scores.detach(), total_k, /*dim=*/1));
+  s.rank = at::arange(total_k, s.ids.options()).expand_as(s.ids).contiguous();
+  return s;
+}
+
+Selection SelectGroupedTopK(const at::Tensor& scores, int64_t num_groups,
+                            int64_t k) {
+  at::NoGradGuard no_grad;
+  const int64_t tokens = scores.size(0);
+  const int64_t per_group = scores.size(1) / num_groups;
+  const at::Tensor local = std::get<1>(
+      at::topk(scores.detach().reshape({tokens, num_groups, per_group}), k, 2));
+  const at::Tensor offset =
+      (at::arange(num_groups, local.options()) * per_group).view({1, num_groups, 1});
+  Selection s;
+  s.ids = (local + offset).reshape({tokens, num_groups * k});
+  s.rank = at::arange(k, s.ids.options()).repeat({num_groups}).expand_as(s.ids).contiguous();
+  return s;
+}
+
+at::Tensor SparseSelectedProbs(const at::Tensor& probs, const at::Tensor& ids) {
+  return at::zeros_like(probs).scatter(1, ids, probs.gather(1, ids));
+}
+
+at::Tensor RenormalizeWeights(const at::Tensor& weights) {
+  return weights / weights.sum(1, /*keepdim=*/true);
+}
+
+at::Tensor TokenFractions(const at::Tensor& ids, int64_t num_experts,
+                          int64_t num_tokens) {
+  at::NoGradGuard no_grad;
+  return at::bincount(ids.reshape(-1), {}, num_experts).to(at::kDouble) /
+         static_cast<double>(num_tokens);
+}
+
+at::Tensor LoadBalancingLoss(const at::Tensor& probs, const at::Tensor& ids,
+                             double alpha) {
+  const int64_t n = probs.size(1);
+  const at::Tensor h =
+      TokenFractions(ids, n, probs.size(0)).to(probs.device(), probs.scalar_type());
+  const at::Tensor p_mean = probs.mean(0);
+  return alpha * static_cast<double>(n) * (h * p_mean).sum();
+}
+
+at::Tensor InterGroupRegularizer(const at::Tensor& sparse_probs,
+                                 double lambda_inter) {
+  return lambda_inter * sparse_probs.pow(2).sum(1).mean();
+}
+
+at::Tensor InterGroupRegularizerDenseGroupMass(const at::Tensor& probs,
+                                               int64_t num_groups,
+                                               double lambda_inter) {
+  return lambda_inter * GroupSums(probs, num_groups).pow(2).sum(1).mean();
+}
+
+at::Tensor IntraGroupRegularizer(const at::Tensor& probs, double lambda_intra) {
+  return -lambda_intra * probs.pow(2).sum(1).mean();
+}
+
+at::Tensor RouterZLoss(const at::Tensor& logits, double z_coef) {
+  return z_coef * at::logsumexp(logits, {1}).pow(2).mean();
+}
+
+int64_t ExpertCapacity(double capacity_factor, int64_t total_k,
+                       int64_t num_tokens, int64_t num_experts) {
+  if (capacity_factor <= 0) return -1;
+  return static_cast<int64_t>(std::ceil(
+      capacity_factor * static_cast<double>(total_k * num_tokens) /
+      static_cast<double>(num_experts)));
+}
+
+at::Tensor CapacityKeepMask(const Selection& selection, int64_t num_experts,
+                            int64_t capacity) {
+  const at::Tensor ids = selection.ids.to(at::kCPU).contiguous();
+  if (capacity < 0) return at::ones(ids.sizes(), ids.options().dtype(at::kBool));
+  const at::Tensor rank = selection.rank.to(at::kCPU).contiguous();
+  const int64_t tokens = ids.size(0);
+  const int64_t k_total = ids.size(1);
+  at::Tensor kept = at::zeros({tokens, k_total}, at::dtype(at::kBool));
+  const auto id = ids.accessor<int64_t, 2>();
+  const auto rk = rank.accessor<int64_t, 2>();
+  auto keep = kept.accessor<bool, 2>();
+  const int64_t max_rank = k_total == 0 ? 0 : rank.max().item<int64_t>();
+  std::vector<int64_t> used(num_experts, 0);
+  for (int64_t r = 0; r <= max_rank; ++r) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t j = 0; j < k_total; ++j) {
+        if (rk[t][j] != r) continue;
+        int64_t& u = used[id[t][j]];
+        if (u < capacity) {
+          ++u;
+          keep[t][j] = true;
+        }
+      }
+    }
+  }
+  return kept.to(selection.ids.device());
+}
+
+void LossFreeBiasUpdate(at::Tensor& bias, const at::Tensor& counts, double u) {
+  at::NoGradGuard no_grad;
+  const at::Tensor c = counts.to(bias.device(), at::kFloat);
+  bias.add_(at::sign(c.mean() - c), u);
+}
+
+namespace {
+
+double Mean(const std::vector<double>& v) {
+  return v.empty() ? 0.0 : std::accumulate(v.begin(), v.end(), 0.0) / v.size();
+}
+
+}  // namespace
+
+double CoefficientOfVariation(const std::vector<double>& load) {
+  const double mean = Mean(load);
+  if (mean <= 0) return 0.0;
+  double var = 0;
+  for (const double c : load) var += (c - mean) * (c - mean);
+  return std::sqrt(var / load.size()) / mean;
+}
+
+double MaxViolation(const std::vector<double>& load) {
+  const double mean = Mean(load);
+  if (mean <= 0) return 0.0;
+  return (*std::max_element(load.begin(), load.end()) - mean) / mean;
+}
+
+at::Tensor GroupSums(const at::Tensor& per_expert, int64_t num_groups) {
+  return per_expert.reshape({per_expert.size(0), num_groups, -1}).sum(2);
+}
+
+double GroupsPerToken(const at::Tensor& ids, int64_t experts_per_group,
+                      int64_t num_groups) {
+  at::NoGradGuard no_grad;
+  if (ids.size(0) == 0) return 0.0;
+  const at::Tensor groups = at::div(ids, experts_per_group, "floor");
+  const at::Tensor present =
+      at::zeros({ids.size(0), num_groups}, ids.options().dtype(at::kFloat))
+          .scatter_(1, groups, 1.0);
+  return present.sum(1).mean().item<double>();
+}
+
+at::Tensor RoutingOverlap(const at::Tensor& probs) {
+  return 1.0 - probs.pow(2).sum(1);
+}
+
+double SystemConcentration(const at::Tensor& sparse_probs) {
+  at::NoGradGuard no_grad;
+  return sparse_probs.detach().pow(2).sum(1).mean().item<double>();
+}
+
+Theorem1Certificate ComputeTheorem1Certificate(const at::Tensor& sparse_probs,
+                                               int64_t num_groups) {
+  at::NoGradGuard no_grad;
+  const at::Tensor st = sparse_probs.detach().to(at::kDouble);
+  const at::Tensor hat = st / st.sum(1, true);
+  const at::Tensor r = GroupSums(hat, num_groups);
+  const double m = static_cast<double>(num_groups);
+  const double s_max = static_cast<double>(st.size(1) / num_groups);
+  Theorem1Certificate cert;
+  cert.lhs = m * r.mean(0).pow(2).sum().item<double>();
+  cert.rhs = m * s_max * hat.pow(2).sum(1).mean().item<double>();
+  const at::Tensor load = r.sum(0).contiguous().to(at::kCPU);
+  cert.soft_group_load.assign(load.data_ptr<double>(),
+                              load.data_ptr<double>() + load.numel());
+  return cert;
+}
+
+double CollisionMutualInformation(const at::Tensor& probs) {
+  at::NoGradGuard no_grad;
+  return std::log(static_cast<double>(probs.size(1)) *
+                  probs.detach().pow(2).sum(1).mean().item<double>());
+}
+
+}  // namespace himoe::router

@@ -1,0 +1,121 @@
+#ifndef HIMOE_ROUTER_SERVICE_ROUTING_MATH_H_
+#define HIMOE_ROUTER_SERVICE_ROUTING_MATH_H_
+
+// The formulas of shared/spec/routing-math.md, one function each. Inputs are
+// [T, N] tensors (T tokens, N experts) unless stated. Everything is
+// autograd-transparent except where marked "no gradient".
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace himoe::router {
+
+// g(x) = W_g x: router logits [T, N] from x [T, d] and W_g [N, d], in fp32.
+at::Tensor RouterLogits(const at::Tensor& x, const at::Tensor& gate_weight);
+
+// gbar <- beta*gbar + (1-beta)*mean_tokens(g(x)), in place, no gradient.
+// (Bias correction, paper Sec. 3.3; done before the EMA is used.)
+void UpdateLogitEma(at::Tensor& ema, const at::Tensor& logits, double beta);
+
+// pi(x) = softmax((g(x) - tau*gbar) / T). (Bias-corrected routing, Sec. 3.3.)
+at::Tensor CorrectedProbs(const at::Tensor& logits, const at::Tensor& ema,
+                          double tau, double temperature);
+
+// Top-K selection. ids [T, K] int64; rank [T, K] int64 is the choice order
+// used for capacity: the position among the K picks for flat routing, the
+// position inside the group's k picks for grouped routing.
+struct Selection {
+  at::Tensor ids;
+  at::Tensor rank;
+};
+// Top-K over all N experts (vanilla, st_moe, loss_free), eq. (standard_moe).
+Selection SelectFlatTopK(const at::Tensor& scores, int64_t total_k);
+// Top-k inside each of M groups, columns group-major (moge, himoe); the
+// grouped-MoE equation of Sec. 3.
+Selection SelectGroupedTopK(const at::Tensor& scores, int64_t num_groups,
+                            int64_t k);
+
+// pi_tilde(x): pi at the selected experts, zero elsewhere, [T, N]. Eq. (topk_pi).
+at::Tensor SparseSelectedProbs(const at::Tensor& probs, const at::Tensor& ids);
+
+// Weights of the K selected experts divided by their sum over all K.
+at::Tensor RenormalizeWeights(const at::Tensor& weights);
+
+// h_i: fraction of tokens that selected expert i (sum_i h_i = K); no gradient.
+at::Tensor TokenFractions(const at::Tensor& ids, int64_t num_experts,
+                          int64_t num_tokens);
+
+// L_load = alpha * N * sum_i h_i * P_i with P_i = mean_tokens probs_i. Eq. (loss).
+at::Tensor LoadBalancingLoss(const at::Tensor& probs, const at::Tensor& ids,
+                             double alpha);
+
+// R_inter = lambda_inter * mean_tokens ||pi_tilde(x)||^2. Eq. (r_inter).
+at::Tensor InterGroupRegularizer(const at::Tensor& sparse_probs,
+                                 double lambda_inter);
+
+// Released-code R_inter: lambda * mean_tokens sum_g (sum_{i in g} p_i)^2.
+at::Tensor InterGroupRegularizerDenseGroupMass(const at::Tensor& probs,
+                                               int64_t num_groups,
+                                               double lambda_inter);
+
+// R_intra = -lambda_intra * mean_tokens ||pi(x)||^2. Eq. (r_intra).
+at::Tensor IntraGroupRegularizer(const at::Tensor& probs, double lambda_intra);
+
+// ST-MoE z-loss = c_z * mean_tokens (logsumexp g(x))^2.
+at::Tensor RouterZLoss(const at::Tensor& logits, double z_coef);
+
+// cap = ceil(capacity_factor * K * T / N); capacity_factor <= 0 = no limit
+// (returns -1).
+int64_t ExpertCapacity(double capacity_factor, int64_t total_k,
+                       int64_t num_tokens, int64_t num_experts);
+
+// Keeps assignments in priority order (every rank-0 choice before any rank-1
+// choice, then by token index) while the expert has room. kept [T, K] bool.
+at::Tensor CapacityKeepMask(const Selection& selection, int64_t num_experts,
+                            int64_t capacity);
+
+// loss_free: b_i <- b_i + u * sign(mean_j c_j - c_i), in place, no gradient.
+void LossFreeBiasUpdate(at::Tensor& bias, const at::Tensor& counts, double u);
+
+// ---- Statistics (no gradient; plain numbers for metrics) ----
+
+// CV = std(c)/mean(c), population std. Eq. (load). 0 for an all-zero load.
+double CoefficientOfVariation(const std::vector<double>& load);
+
+// MaxVio = (max_i c_i - mean c) / mean c (loss-free paper's imbalance metric).
+double MaxViolation(const std::vector<double>& load);
+
+// Mean over tokens of the number of distinct groups among the token's picks.
+double GroupsPerToken(const at::Tensor& ids, int64_t experts_per_group,
+                      int64_t num_groups);
+
+// Per-token overlap sum_{i != j} pi_i pi_j = 1 - ||pi||^2, [T].
+// C_ov is its mean (routing overlap).
+at::Tensor RoutingOverlap(const at::Tensor& probs);
+
+// C_sys = mean_tokens ||pi_tilde(x)||^2.
+double SystemConcentration(const at::Tensor& sparse_probs);
+
+// Theorem 1: with pi_hat = pi_tilde normalized per token, r_g = group mass
+// of pi_hat and rbar = mean r:
+//   lhs = M*||rbar||^2 (= CV_group^2 + 1 of the soft group load sum_x r(x)),
+//   rhs = M * S_max * mean ||pi_hat||^2,  and lhs <= rhs.
+struct Theorem1Certificate {
+  double lhs = 0;
+  double rhs = 0;
+  std::vector<double> soft_group_load;  // sum_x r(x), length M
+};
+Theorem1Certificate ComputeTheorem1Certificate(const at::Tensor& sparse_probs,
+                                               int64_t num_groups);
+
+// Collision mutual information I_2 = log(N * mean ||pi||^2).
+double CollisionMutualInformation(const at::Tensor& probs);
+
+// Group sums of a [T, N] tensor: [T, M].
+at::Tensor GroupSums(const at::Tensor& per_expert, int64_t num_groups);
+
+}  // namespace himoe::router
+
+#endif  // HIMOE_ROUTER_SERVICE_ROUTING_MATH_H_

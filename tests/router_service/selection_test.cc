@@ -1,0 +1,140 @@
+// Selection and weights on hand-built logits (spec "Selection").
+#include <gtest/gtest.h>
+
+#include "router_service/routing_math.h"
+#include "tests/router_service/routing_test_util.h"
+
+namespace himoe::router {
+namespace {
+
+using testing::Config;
+using testing::Matrix;
+using testing::MakeRouter;
+using testing::MustRoute;
+using testing::Softmax;
+using testing::ToNested;
+using testing::ToTensor;
+
+// N=4 experts in M=2 groups ({0,1}, {2,3}), k=1 per group, K=2.
+const Matrix kLogits = {{2.0, 1.0, 0.5, 0.0}, {0.0, 3.0, 1.0, 2.0}};
+
+void ExpectWeights(const RoutingOutput& out, const Matrix& probs,
+                   const std::vector<std::vector<int64_t>>& ids, bool renormalize) {
+  const auto weights = ToNested<double>(out.weights);
+  for (size_t t = 0; t < ids.size(); ++t) {
+    double sum = 0;
+    for (int64_t id : ids[t]) sum += probs[t][id];
+    for (size_t j = 0; j < ids[t].size(); ++j) {
+      const double expected = probs[t][ids[t][j]] / (renormalize ? sum : 1.0);
+      EXPECT_NEAR(weights[t][j], expected, 1e-12) << "token " << t << " slot " << j;
+    }
+  }
+}
+
+struct SelectionCase {
+  RoutingMethod method;
+  std::vector<std::vector<int64_t>> ids;  // hand-derived
+};
+
+class HandSelectionTest : public ::testing::TestWithParam<SelectionCase> {};
+
+TEST_P(HandSelectionTest, MatchesHandComputedIdsAndWeights) {
+  for (bool renormalize : {false, true}) {
+    RoutingConfig config = Config(GetParam().method, 4, 2, 1);
+    config.renormalize = renormalize;
+    auto router = MakeRouter(config);
+    const RoutingOutput out = MustRoute(*router, ToTensor(kLogits), /*training=*/false);
+    EXPECT_EQ(ToNested(out.expert_ids), GetParam().ids);
+    ExpectWeights(out, {Softmax(kLogits[0]), Softmax(kLogits[1])}, GetParam().ids,
+                  renormalize);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Methods, HandSelectionTest,
+    ::testing::Values(
+        // Flat: top-2 of all four, best first; token 0 takes both from group 0.
+        SelectionCase{RoutingMethod::kVanilla, {{0, 1}, {1, 3}}},
+        SelectionCase{RoutingMethod::kStMoe, {{0, 1}, {1, 3}}},
+        SelectionCase{RoutingMethod::kLossFree, {{0, 1}, {1, 3}}},
+        // Grouped: the best of {0,1}, then the best of {2,3}.
+        SelectionCase{RoutingMethod::kMoge, {{0, 2}, {1, 3}}},
+        SelectionCase{RoutingMethod::kHiMoe, {{0, 2}, {1, 3}}}),
+    [](const auto& info) { return std::string(RoutingMethodName(info.param.method)); });
+
+TEST(SelectionTest, HiMoeWeightsUseTemperature) {
+  RoutingConfig config = Config(RoutingMethod::kHiMoe, 4, 2, 1);
+  config.temperature = 2.0;
+  auto router = MakeRouter(config);
+  // Eval mode with gbar = 0: pi = softmax(g / T).
+  const RoutingOutput out = MustRoute(*router, ToTensor(kLogits), false);
+  Matrix pi;
+  for (const auto& row : kLogits) {
+    std::vector<double> scaled;
+    for (double v : row) scaled.push_back(v / 2.0);
+    pi.push_back(Softmax(scaled));
+  }
+  ExpectWeights(out, pi, {{0, 2}, {1, 3}}, false);
+}
+
+TEST(SelectionTest, LossFreeSelectsOnBiasedScoresButWeighsByP) {
+  auto router = MakeRouter(Config(RoutingMethod::kLossFree, 4, 2, 1));
+  router->loss_free_bias().copy_(at::tensor({0.0, 0.0, 0.0, 1.0}));
+  const RoutingOutput out = MustRoute(*router, ToTensor(kLogits), false);
+  // p + b puts expert 3 first for both tokens; the runner-up is the top p.
+  const std::vector<std::vector<int64_t>> ids = {{3, 0}, {3, 1}};
+  EXPECT_EQ(ToNested(out.expert_ids), ids);
+  ExpectWeights(out, {Softmax(kLogits[0]), Softmax(kLogits[1])}, ids, false);
+}
+
+TEST(SelectionTest, GroupedPicksExactlyKPerGroupFlatMayNot) {
+  const at::Tensor logits = at::randn({256, 16}, at::kDouble) * 3;
+  for (const RoutingMethod method : testing::kAllMethods) {
+    const RoutingConfig config = Config(method, 16, 4, 2);
+    auto router = MakeRouter(config);
+    const RoutingOutput out = MustRoute(*router, logits, false);
+    ASSERT_EQ(out.expert_ids.size(1), 8);
+    const at::Tensor groups = at::div(out.expert_ids, 4, "floor");
+    const at::Tensor per_group =
+        at::zeros({256, 4}, at::kLong).scatter_add_(1, groups, at::ones_like(groups));
+    const bool exactly_k = per_group.eq(2).all().item<bool>();
+    if (IsGrouped(method)) {
+      EXPECT_TRUE(exactly_k) << RoutingMethodName(method);
+      EXPECT_DOUBLE_EQ(out.stats.groups_per_token, 4.0);
+    } else {
+      // Random logits: some token certainly takes 3+ experts from one group.
+      EXPECT_FALSE(exactly_k) << RoutingMethodName(method);
+      EXPECT_LT(out.stats.groups_per_token, 4.0);
+    }
+    // Selected ids are distinct per token.
+    const at::Tensor sorted = std::get<0>(out.expert_ids.sort(1));
+    EXPECT_TRUE(sorted.slice(1, 1).ne(sorted.slice(1, 0, -1)).all().item<bool>());
+  }
+}
+
+TEST(SelectionTest, DispatchPlanCoversEveryKeptAssignmentSortedByExpert) {
+  auto router = MakeRouter(Config(RoutingMethod::kVanilla, 8, 4, 1));
+  const RoutingOutput out = MustRoute(*router, at::randn({40, 8}, at::kDouble), false);
+  const auto ids = ToNested(out.expert_ids);
+  const auto weights = ToNested<double>(out.weights);
+  int64_t total = 0;
+  for (int g = 0; g < 4; ++g) {
+    const GroupDispatch& d = out.groups[g];
+    const auto rows = d.token_rows.accessor<int64_t, 1>();
+    const auto expert = d.expert_ids.accessor<int64_t, 1>();
+    const auto slots = d.slots.accessor<int64_t, 1>();
+    for (int64_t i = 0; i < rows.size(0); ++i) {
+      EXPECT_EQ(expert[i] / 2, g);
+      if (i > 0) EXPECT_LE(expert[i - 1], expert[i]);
+      const int64_t t = slots[i] / 4, j = slots[i] % 4;
+      EXPECT_EQ(rows[i], t);
+      EXPECT_EQ(ids[t][j], expert[i]);
+      EXPECT_DOUBLE_EQ(d.weights[i].item<double>(), weights[t][j]);
+    }
+    total += rows.size(0);
+  }
+  EXPECT_EQ(total, 40 * 4);
+}
+
+}  // namespace
+}  // namespace himoe::router
