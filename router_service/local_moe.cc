@@ -9,6 +9,10 @@
 
 namespace himoe::router {
 
+uint64_t RouterSeedFor(uint64_t seed, int layer) {
+  return seed ^ (0x5851F42D4C957F2Dull * static_cast<uint64_t>(layer + 1));
+}
+
 expert::ExpertGroupOptions GroupOptionsFor(const LocalMoEOptions& options,
                                            int group_id) {
   expert::ExpertGroupOptions g;
@@ -29,7 +33,7 @@ absl::StatusOr<std::unique_ptr<LocalMoE>> LocalMoE::Create(
   RouterLayerOptions router_options;
   router_options.config = options.routing;
   router_options.d_model = options.d_model;
-  router_options.seed = options.seed ^ (0x5851F42D4C957F2Dull * (options.layer + 1));
+  router_options.seed = RouterSeedFor(options.seed, options.layer);
   router_options.device = options.device;
   ASSIGN_OR_RETURN(moe->router_, RouterLayer::Create(router_options));
   for (int g = 0; g < options.routing.num_groups; ++g) {

@@ -52,6 +52,9 @@ class LocalMoE {
   std::vector<std::unique_ptr<expert::ExpertGroup>> groups_;
 };
 
+// Seed of layer `layer`'s gate, shared by LocalMoE and the router service.
+uint64_t RouterSeedFor(uint64_t seed, int layer);
+
 // Builds the options of group g of a LocalMoE, so that a remote expert
 // service can construct exactly the same group.
 expert::ExpertGroupOptions GroupOptionsFor(const LocalMoEOptions& options,

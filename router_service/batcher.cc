@@ -1,0 +1,104 @@
+#include "router_service/batcher.h"
+
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "common/torch_runtime.h"
+
+namespace himoe::router {
+
+Batcher::Batcher(const BatcherOptions& options, Compute compute)
+    : options_(options), compute_(std::move(compute)), worker_([this] { Loop(); }) {}
+
+Batcher::~Batcher() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+}
+
+void Batcher::Submit(int layer, at::Tensor x, Done done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back({layer, std::move(x), std::move(done), std::chrono::steady_clock::now()});
+  }
+  cv_.notify_all();
+}
+
+int64_t Batcher::batches() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return batches_;
+}
+
+void Batcher::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, nothing left
+    const int layer = queue_.front().layer;
+    const auto deadline = queue_.front().enqueued + options_.max_queue_delay;
+    // Tokens of the same layer queued so far, in arrival order, within budget.
+    const auto ready_tokens = [&] {
+      int64_t tokens = 0;
+      for (const Item& item : queue_) {
+        if (item.layer != layer) continue;
+        if (tokens > 0 && tokens + item.x.size(0) > options_.max_batch_tokens) break;
+        tokens += item.x.size(0);
+      }
+      return tokens;
+    };
+    while (!stopping_ && ready_tokens() < options_.max_batch_tokens &&
+           cv_.wait_until(lock, deadline) != std::cv_status::timeout) {
+    }
+    std::vector<Item> batch;
+    int64_t tokens = 0;
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if (it->layer == layer &&
+          (tokens == 0 || tokens + it->x.size(0) <= options_.max_batch_tokens)) {
+        tokens += it->x.size(0);
+        batch.push_back(std::move(*it));
+        it = queue_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    ++batches_;
+    lock.unlock();
+    Run(std::move(batch));
+    lock.lock();
+  }
+}
+
+void Batcher::Run(std::vector<Item> batch) {
+  std::vector<at::Tensor> inputs;
+  int64_t tokens = 0;
+  for (const Item& item : batch) {
+    inputs.push_back(item.x);
+    tokens += item.x.size(0);
+  }
+  if (options_.on_batch) options_.on_batch(tokens, static_cast<int64_t>(batch.size()));
+  absl::StatusOr<LayerResult> result;
+  const absl::Status caught = CatchTorchErrors([&] {
+    result = compute_(batch.front().layer, inputs.size() == 1 ? inputs[0] : at::cat(inputs));
+    return absl::OkStatus();
+  });
+  if (!caught.ok()) result = caught;
+  int64_t row = 0;
+  for (Item& item : batch) {
+    const int64_t n = item.x.size(0);
+    if (!result.ok()) {
+      item.done(result.status());
+      continue;
+    }
+    item.done(LayerResult{result->output.slice(0, row, row + n),
+                          result->expert_ids.slice(0, row, row + n),
+                          result->weights.slice(0, row, row + n)});
+    row += n;
+  }
+}
+
+}  // namespace himoe::router

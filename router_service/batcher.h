@@ -1,0 +1,71 @@
+#ifndef HIMOE_ROUTER_SERVICE_BATCHER_H_
+#define HIMOE_ROUTER_SERVICE_BATCHER_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+
+namespace himoe::router {
+
+// What one layer forward returns, row-aligned with its input.
+struct LayerResult {
+  at::Tensor output;      // [T, d] float
+  at::Tensor expert_ids;  // [T, K] int64
+  at::Tensor weights;     // [T, K] float
+};
+
+struct BatcherOptions {
+  int64_t max_batch_tokens = 8192;
+  // How long the first request of a batch waits for company (Triton's
+  // max_queue_delay_microseconds). 0 = no waiting.
+  std::chrono::microseconds max_queue_delay{500};
+  // Called with (tokens, requests) of every batch, before it runs.
+  std::function<void(int64_t, int64_t)> on_batch;
+};
+
+// Dynamic batching: concurrent requests for the same layer are merged into
+// one computation of at most max_batch_tokens rows; each caller gets exactly
+// its own rows back.
+class Batcher {
+ public:
+  using Compute = std::function<absl::StatusOr<LayerResult>(int layer, const at::Tensor& x)>;
+  using Done = std::function<void(absl::StatusOr<LayerResult>)>;
+
+  Batcher(const BatcherOptions& options, Compute compute);
+  ~Batcher();  // finishes queued work, then stops
+
+  void Submit(int layer, at::Tensor x, Done done);
+
+  int64_t batches() const;  // computations run so far
+
+ private:
+  struct Item {
+    int layer;
+    at::Tensor x;
+    Done done;
+    std::chrono::steady_clock::time_point enqueued;
+  };
+  void Loop();
+  void Run(std::vector<Item> batch);
+
+  const BatcherOptions options_;
+  const Compute compute_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  bool stopping_ = false;
+  int64_t batches_ = 0;
+  std::thread worker_;
+};
+
+}  // namespace himoe::router
+
+#endif  // HIMOE_ROUTER_SERVICE_BATCHER_H_

@@ -1,0 +1,58 @@
+#ifndef HIMOE_ROUTER_SERVICE_GROUP_CLIENT_H_
+#define HIMOE_ROUTER_SERVICE_GROUP_CLIENT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/channel.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "himoe/v1/expert.grpc.pb.h"
+
+namespace himoe::router {
+
+struct GroupClientOptions {
+  int group_id = 0;
+  // The group's address first, then its replicas, tried in order.
+  std::vector<std::string> addresses;
+  std::chrono::milliseconds deadline{10000};
+  int max_message_bytes = 64 << 20;
+};
+
+// Client of one expert group (and its replicas). Calls are asynchronous
+// (callback stubs); a call that fails with UNAVAILABLE or DEADLINE_EXCEEDED
+// moves on to the next replica. Errors name the group and the address.
+class GroupClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<GroupClient>> Create(
+      const GroupClientOptions& options);
+
+  using ForwardDone = std::function<void(absl::Status)>;
+  // Starts Forward; `done` runs once, on a gRPC thread. `request` and
+  // `response` must outlive the call.
+  void ForwardAsync(const v1::ExpertForwardRequest* request,
+                    v1::ExpertForwardResponse* response, ForwardDone done);
+
+  absl::StatusOr<v1::ExpertInfoResponse> Info();
+
+  int group_id() const { return options_.group_id; }
+  const std::vector<std::string>& addresses() const { return options_.addresses; }
+
+ private:
+  struct Call;
+  explicit GroupClient(const GroupClientOptions& options) : options_(options) {}
+  void Attempt(std::shared_ptr<Call> call);
+
+  GroupClientOptions options_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<std::unique_ptr<v1::ExpertService::Stub>> stubs_;
+};
+
+}  // namespace himoe::router
+
+#endif  // HIMOE_ROUTER_SERVICE_GROUP_CLIENT_H_

@@ -1,0 +1,163 @@
+#include "router_service/router_grpc_service.h"
+
+#include <chrono>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "common/tensor_codec.h"
+#include "common/torch_runtime.h"
+#include "proto/grpc_status.h"
+
+namespace himoe::router {
+
+absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
+                                        int64_t d_model, int64_t max_tokens) {
+  ASSIGN_OR_RETURN(at::Tensor x, DecodeTensor(request.hidden(), "hidden"));
+  if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden.dtype: expected FLOAT32 or BFLOAT16, got ", c10::toString(x.scalar_type())));
+  }
+  if (x.dim() != 2 || x.size(1) != d_model) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden.shape: expected [T, d_model=",
+                                                   d_model, "], got [",
+                                                   absl::StrJoin(x.sizes(), ", "), "]"));
+  }
+  if (x.size(0) == 0) {
+    return absl::InvalidArgumentError("hidden: empty batch (T = 0); send at least one token");
+  }
+  if (x.size(0) > max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden: ", x.size(0),
+                                                   " tokens exceed the limit of ", max_tokens,
+                                                   " per request"));
+  }
+  bool finite = true;
+  RETURN_IF_ERROR(CatchTorchErrors([&] {
+    finite = at::isfinite(x).all().item<bool>();
+    return absl::OkStatus();
+  }));
+  if (!finite) return absl::InvalidArgumentError("hidden contains NaN or Inf");
+  return x;
+}
+
+grpc::ServerUnaryReactor* RouterGrpcService::Info(grpc::CallbackServerContext* context,
+                                                  const v1::RouterInfoRequest*,
+                                                  v1::RouterInfoResponse* response) {
+  const RoutingConfig& c = moe_->options().routing;
+  response->set_method(std::string(RoutingMethodName(c.method)));
+  response->set_num_experts(c.num_experts);
+  response->set_num_groups(c.num_groups);
+  response->set_top_k(c.top_k);
+  response->set_d_model(moe_->options().d_model);
+  for (int l = 0; l < moe_->num_layers(); ++l) response->add_layers(l);
+  for (int g = 0; g < c.num_groups; ++g) {
+    response->add_group_addresses(absl::StrJoin(moe_->group(g).addresses(), "|"));
+  }
+  response->set_version("himoe 0.1");
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RouterGrpcService::RouteForward(
+    grpc::CallbackServerContext* context, const v1::RouteForwardRequest* request,
+    v1::RouteForwardResponse* response) {
+  auto* reactor = context->DefaultReactor();
+  const auto start = std::chrono::steady_clock::now();
+  RouterMetrics* metrics = metrics_;
+  const auto finish = [reactor, metrics, start](const absl::Status& status) {
+    if (metrics != nullptr) {
+      metrics->OnRequest(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      if (!status.ok()) metrics->OnError(static_cast<int>(status.code()));
+    }
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  const int layer = request->layer();
+  if (layer < 0 || layer >= moe_->num_layers()) {
+    finish(absl::InvalidArgumentError(absl::StrCat(
+        "layer: ", layer, " is not served; layers are [0, ", moe_->num_layers(), ")")));
+    return reactor;
+  }
+  auto x = DecodeHidden(*request, moe_->options().d_model, max_tokens_);
+  if (!x.ok()) {
+    finish(x.status());
+    return reactor;
+  }
+  const c10::ScalarType reply_dtype = x->scalar_type();
+  const bool routing = request->return_routing();
+  batcher_->Submit(layer, x->to(at::kFloat), [=](absl::StatusOr<LayerResult> result) {
+    absl::Status status = result.status();
+    if (status.ok()) {
+      status = EncodeTensor(result->output.to(reply_dtype), response->mutable_output());
+    }
+    if (status.ok() && routing) {
+      status = EncodeTensor(result->expert_ids, response->mutable_expert_ids());
+      if (status.ok()) status = EncodeTensor(result->weights, response->mutable_weights());
+    }
+    finish(status);
+  });
+  return reactor;
+}
+
+absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(
+    const RouterServerOptions& options) {
+  std::unique_ptr<RouterServer> server(new RouterServer());
+  ASSIGN_OR_RETURN(server->moe_, RemoteMoE::Create(options.moe));
+  RemoteMoE* moe = server->moe_.get();
+  BatcherOptions batching = options.batching;
+  if (options.registry != nullptr) {
+    RouterMetricsOptions mo;
+    mo.num_layers = options.moe.num_layers;
+    mo.num_groups = options.moe.routing.num_groups;
+    mo.num_experts = options.moe.routing.num_experts;
+    mo.window_batches = options.metrics_window_batches;
+    server->metrics_ = std::make_unique<RouterMetrics>(mo, *options.registry);
+    moe->set_observer(server->metrics_.get());
+    RouterMetrics* metrics = server->metrics_.get();
+    batching.on_batch = [metrics](int64_t tokens, int64_t requests) {
+      metrics->OnBatch(tokens, requests);
+    };
+  }
+  server->batcher_ = std::make_unique<Batcher>(
+      batching, [moe](int layer, const at::Tensor& x) -> absl::StatusOr<LayerResult> {
+        at::NoGradGuard no_grad;
+        ASSIGN_OR_RETURN(MoEOutput out, moe->Forward(layer, x));
+        return LayerResult{out.output, out.routing.expert_ids,
+                           out.routing.weights.detach().to(at::kFloat)};
+      });
+  server->service_ = std::make_unique<RouterGrpcService>(
+      moe, server->batcher_.get(), server->metrics_.get(), options.max_tokens_per_request);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &server->port_);
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  builder.RegisterService(server->service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("router: cannot listen on ", options.address));
+  }
+  return server;
+}
+
+void RouterServer::Shutdown() {
+  if (server_ != nullptr) {
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+}
+
+RouterServer::~RouterServer() {
+  Shutdown();
+  batcher_.reset();  // drains before the MoE goes away
+}
+
+}  // namespace himoe::router

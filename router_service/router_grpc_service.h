@@ -1,0 +1,82 @@
+#ifndef HIMOE_ROUTER_SERVICE_ROUTER_GRPC_SERVICE_H_
+#define HIMOE_ROUTER_SERVICE_ROUTER_GRPC_SERVICE_H_
+
+#include <memory>
+#include <string>
+
+#include <grpcpp/server.h>
+
+#include "absl/status/statusor.h"
+#include "himoe/v1/router.grpc.pb.h"
+#include "router_service/batcher.h"
+#include "router_service/remote_moe.h"
+#include "router_service/router_metrics.h"
+
+namespace himoe::router {
+
+struct RouterServerOptions {
+  RemoteMoEOptions moe;
+  BatcherOptions batching;
+  std::string address = "127.0.0.1:0";
+  int max_message_bytes = 64 << 20;
+  int64_t max_tokens_per_request = 65536;
+  // Where the router's metrics go; null = no metrics.
+  prometheus::Registry* registry = nullptr;
+  int metrics_window_batches = 64;
+};
+
+// The RouterService adapter: decode and validate, batch, route and dispatch
+// through RemoteMoE, encode.
+class RouterGrpcService final : public v1::RouterService::CallbackService {
+ public:
+  RouterGrpcService(RemoteMoE* moe, Batcher* batcher, RouterMetrics* metrics,
+                    int64_t max_tokens)
+      : moe_(moe), batcher_(batcher), metrics_(metrics), max_tokens_(max_tokens) {}
+
+  grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* context,
+                                 const v1::RouterInfoRequest* request,
+                                 v1::RouterInfoResponse* response) override;
+  grpc::ServerUnaryReactor* RouteForward(grpc::CallbackServerContext* context,
+                                         const v1::RouteForwardRequest* request,
+                                         v1::RouteForwardResponse* response) override;
+
+ private:
+  RemoteMoE* moe_;
+  Batcher* batcher_;
+  RouterMetrics* metrics_;  // may be null
+  int64_t max_tokens_;
+};
+
+// A running router: RemoteMoE + batcher + gRPC server with health and
+// reflection.
+class RouterServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<RouterServer>> Start(
+      const RouterServerOptions& options);
+  ~RouterServer();
+
+  int port() const { return port_; }
+  RemoteMoE& moe() { return *moe_; }
+  Batcher& batcher() { return *batcher_; }
+  void Shutdown();
+  void Wait() { server_->Wait(); }
+
+ private:
+  RouterServer() = default;
+
+  std::unique_ptr<RouterMetrics> metrics_;
+  std::unique_ptr<RemoteMoE> moe_;
+  std::unique_ptr<Batcher> batcher_;
+  std::unique_ptr<RouterGrpcService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+// Validates a RouteForward request's hidden states: a finite [T, d_model]
+// float32/bfloat16 tensor with 1 <= T <= max_tokens.
+absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
+                                        int64_t d_model, int64_t max_tokens);
+
+}  // namespace himoe::router
+
+#endif  // HIMOE_ROUTER_SERVICE_ROUTER_GRPC_SERVICE_H_

@@ -1,0 +1,70 @@
+#ifndef HIMOE_ROUTER_SERVICE_ROUTER_METRICS_H_
+#define HIMOE_ROUTER_SERVICE_ROUTER_METRICS_H_
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include "router_service/router_layer.h"
+
+namespace himoe::router {
+
+// Receives what one RemoteMoE forward did; implemented by RouterMetrics.
+class ForwardObserver {
+ public:
+  virtual ~ForwardObserver() = default;
+  virtual void OnRouted(int layer, const RoutingStats& stats) = 0;
+  virtual void OnGroupDispatch(int group, double seconds, int64_t rows) = 0;
+};
+
+struct RouterMetricsOptions {
+  int num_layers = 1;
+  int num_groups = 1;
+  int num_experts = 1;
+  int window_batches = 64;  // sliding window of the balance gauges
+};
+
+// The router's Prometheus metrics (names in README "Metrics"). Label values
+// are bounded: layer x group x expert, and gRPC status codes.
+class RouterMetrics : public ForwardObserver {
+ public:
+  RouterMetrics(const RouterMetricsOptions& options, prometheus::Registry& registry);
+
+  void OnRouted(int layer, const RoutingStats& stats) override;
+  void OnGroupDispatch(int group, double seconds, int64_t rows) override;
+  void OnRequest(double seconds);
+  void OnBatch(int64_t tokens, int64_t requests);
+  void OnError(int grpc_code);
+
+ private:
+  struct LayerWindow {
+    std::deque<RoutingStats> batches;
+  };
+
+  const RouterMetricsOptions options_;
+  std::mutex mu_;
+  std::vector<LayerWindow> windows_;
+  // [layer][expert]
+  std::vector<std::vector<prometheus::Counter*>> tokens_;
+  std::vector<prometheus::Counter*> dropped_;
+  std::vector<prometheus::Gauge*> expert_cv_, group_cv_, max_vio_, groups_per_token_;
+  std::vector<prometheus::Histogram*> dispatch_seconds_;
+  std::vector<prometheus::Counter*> dispatch_rows_;
+  prometheus::Histogram* request_seconds_;
+  prometheus::Histogram* batch_tokens_;
+  prometheus::Histogram* batch_requests_;
+  prometheus::Family<prometheus::Counter>* errors_;
+};
+
+}  // namespace himoe::router
+
+#endif  // HIMOE_ROUTER_SERVICE_ROUTER_METRICS_H_

@@ -1,0 +1,163 @@
+// A prometheus-cpp (civetweb) metrics endpoint must start and answer in a
+// process that has already loaded LibTorch, its OpenMP pool and the system
+// BLAS, as the serving binaries do.
+
+#include <curl/curl.h>
+#include <limits.h>
+#include <link.h>
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/registry.h>
+#include <stdlib.h>
+#include <torch/torch.h>
+
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "common/torch_runtime.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace himoe {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// Multiplies two random 256x256 matrices (through BLAS sgemm) and checks one
+// entry against a dot product computed by hand.
+void MatmulMatchesManualDotProduct() {
+  const at::Tensor a = torch::randn({256, 256});
+  const at::Tensor b = torch::randn({256, 256});
+  const at::Tensor c = torch::mm(a, b);
+  const auto ac = a.accessor<float, 2>();
+  const auto bc = b.accessor<float, 2>();
+  constexpr int kRow = 17, kCol = 201;
+  double expected = 0;
+  for (int k = 0; k < 256; ++k) {
+    expected += static_cast<double>(ac[kRow][k]) * bc[k][kCol];
+  }
+  EXPECT_NEAR(c[kRow][kCol].item<float>(), expected, 1e-3);
+}
+
+size_t AppendToString(char* data, size_t size, size_t count, void* out) {
+  static_cast<std::string*>(out)->append(data, size * count);
+  return size * count;
+}
+
+// Returns the body of a 200 response to GET `url`.
+absl::StatusOr<std::string> HttpGet(const std::string& url) {
+  static const CURLcode init = curl_global_init(CURL_GLOBAL_DEFAULT);
+  if (init != CURLE_OK) return absl::InternalError(curl_easy_strerror(init));
+  std::unique_ptr<CURL, decltype(&curl_easy_cleanup)> curl(curl_easy_init(),
+                                                           curl_easy_cleanup);
+  if (curl == nullptr) return absl::InternalError("curl_easy_init failed");
+  std::string body;
+  curl_easy_setopt(curl.get(), CURLOPT_URL, url.c_str());
+  curl_easy_setopt(curl.get(), CURLOPT_WRITEFUNCTION, AppendToString);
+  curl_easy_setopt(curl.get(), CURLOPT_WRITEDATA, &body);
+  curl_easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
+  // Not an assertion on speed: it only keeps a hung server from hanging ctest.
+  curl_easy_setopt(curl.get(), CURLOPT_TIMEOUT, 30L);
+  const CURLcode rc = curl_easy_perform(curl.get());
+  if (rc != CURLE_OK) {
+    return absl::UnavailableError(
+        absl::StrCat("GET ", url, ": ", curl_easy_strerror(rc)));
+  }
+  long http_code = 0;
+  curl_easy_getinfo(curl.get(), CURLINFO_RESPONSE_CODE, &http_code);
+  if (http_code != 200) {
+    return absl::UnknownError(absl::StrCat("GET ", url, ": HTTP ", http_code));
+  }
+  return body;
+}
+
+// Canonical paths of every loaded object named libblas.so.3.
+std::vector<std::string> LoadedLibblas() {
+  std::vector<std::string> paths;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) {
+        const std::string name = info->dlpi_name ? info->dlpi_name : "";
+        const size_t slash = name.rfind('/');
+        if (name.substr(slash == std::string::npos ? 0 : slash + 1) ==
+            "libblas.so.3") {
+          char resolved[PATH_MAX];
+          static_cast<std::vector<std::string>*>(data)->push_back(
+              realpath(name.c_str(), resolved) ? resolved : name);
+        }
+        return 0;
+      },
+      &paths);
+  return paths;
+}
+
+class MetricsInTorchProcessTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(ConfigureTorchThreads(0).ok());
+    torch::manual_seed(7);
+    MatmulMatchesManualDotProduct();
+
+    exposer_ = std::make_unique<prometheus::Exposer>("127.0.0.1:0");
+    const std::vector<int> ports = exposer_->GetListeningPorts();
+    ASSERT_EQ(ports.size(), 1u);
+    ASSERT_GT(ports[0], 0);
+    url_ = absl::StrCat("http://127.0.0.1:", ports[0], "/metrics");
+
+    registry_ = std::make_shared<prometheus::Registry>();
+    prometheus::Counter& events = prometheus::BuildCounter()
+                                      .Name("himoe_test_events_total")
+                                      .Help("Events seen by the test.")
+                                      .Register(*registry_)
+                                      .Add({});
+    for (int i = 0; i < 3; ++i) events.Increment();
+    exposer_->RegisterCollectable(registry_);
+  }
+
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::string url_;
+};
+
+TEST_F(MetricsInTorchProcessTest, ServesCounterFromMainThread) {
+  const absl::StatusOr<std::string> body = HttpGet(url_);
+  ASSERT_TRUE(body.ok()) << body.status();
+  EXPECT_THAT(*body, HasSubstr("# TYPE himoe_test_events_total counter"));
+  EXPECT_THAT(*body, HasSubstr("\nhimoe_test_events_total 3\n"));
+}
+
+TEST_F(MetricsInTorchProcessTest, ServesCounterToAnotherThreadRunningTorch) {
+  absl::StatusOr<std::string> body = absl::UnknownError("not run");
+  std::thread client([&] {
+    MatmulMatchesManualDotProduct();
+    body = HttpGet(url_);
+  });
+  client.join();
+  ASSERT_TRUE(body.ok()) << body.status();
+  EXPECT_THAT(*body, HasSubstr("\nhimoe_test_events_total 3\n"));
+}
+
+TEST_F(MetricsInTorchProcessTest, UnknownPathIsNotServed) {
+  const absl::StatusOr<std::string> body = HttpGet(absl::StrCat(
+      "http://127.0.0.1:", exposer_->GetListeningPorts()[0], "/not_metrics"));
+  EXPECT_EQ(body.status().code(), absl::StatusCode::kUnknown) << body.status();
+  EXPECT_THAT(body.status().message(), HasSubstr("HTTP 404"));
+}
+
+TEST_F(MetricsInTorchProcessTest, SystemBlasIsLoaded) {
+  const std::vector<std::string> blas = LoadedLibblas();
+  ASSERT_THAT(blas, Not(::testing::IsEmpty()));
+  for (const std::string& path : blas) {
+    std::cout << "libblas.so.3 resolves to " << path << std::endl;
+    RecordProperty("libblas", path);
+  }
+}
+
+}  // namespace
+}  // namespace himoe
