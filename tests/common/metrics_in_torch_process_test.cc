@@ -2,7 +2,6 @@
 // process that has already loaded LibTorch, its OpenMP pool and the system
 // BLAS, as the serving binaries do.
 
-#include <curl/curl.h>
 #include <limits.h>
 #include <link.h>
 #include <prometheus/counter.h>
@@ -21,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/torch_runtime.h"
+#include "tests/http_get.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -44,38 +44,6 @@ void MatmulMatchesManualDotProduct() {
     expected += static_cast<double>(ac[kRow][k]) * bc[k][kCol];
   }
   EXPECT_NEAR(c[kRow][kCol].item<float>(), expected, 1e-3);
-}
-
-size_t AppendToString(char* data, size_t size, size_t count, void* out) {
-  static_cast<std::string*>(out)->append(data, size * count);
-  return size * count;
-}
-
-// Returns the body of a 200 response to GET `url`.
-absl::StatusOr<std::string> HttpGet(const std::string& url) {
-  static const CURLcode init = curl_global_init(CURL_GLOBAL_DEFAULT);
-  if (init != CURLE_OK) return absl::InternalError(curl_easy_strerror(init));
-  std::unique_ptr<CURL, decltype(&curl_easy_cleanup)> curl(curl_easy_init(),
-                                                           curl_easy_cleanup);
-  if (curl == nullptr) return absl::InternalError("curl_easy_init failed");
-  std::string body;
-  curl_easy_setopt(curl.get(), CURLOPT_URL, url.c_str());
-  curl_easy_setopt(curl.get(), CURLOPT_WRITEFUNCTION, AppendToString);
-  curl_easy_setopt(curl.get(), CURLOPT_WRITEDATA, &body);
-  curl_easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
-  // Not an assertion on speed: it only keeps a hung server from hanging ctest.
-  curl_easy_setopt(curl.get(), CURLOPT_TIMEOUT, 30L);
-  const CURLcode rc = curl_easy_perform(curl.get());
-  if (rc != CURLE_OK) {
-    return absl::UnavailableError(
-        absl::StrCat("GET ", url, ": ", curl_easy_strerror(rc)));
-  }
-  long http_code = 0;
-  curl_easy_getinfo(curl.get(), CURLINFO_RESPONSE_CODE, &http_code);
-  if (http_code != 200) {
-    return absl::UnknownError(absl::StrCat("GET ", url, ": HTTP ", http_code));
-  }
-  return body;
 }
 
 // Canonical paths of every loaded object named libblas.so.3.
@@ -126,7 +94,7 @@ class MetricsInTorchProcessTest : public ::testing::Test {
 };
 
 TEST_F(MetricsInTorchProcessTest, ServesCounterFromMainThread) {
-  const absl::StatusOr<std::string> body = HttpGet(url_);
+  const absl::StatusOr<std::string> body = testutil::HttpGet(url_);
   ASSERT_TRUE(body.ok()) << body.status();
   EXPECT_THAT(*body, HasSubstr("# TYPE himoe_test_events_total counter"));
   EXPECT_THAT(*body, HasSubstr("\nhimoe_test_events_total 3\n"));
@@ -136,7 +104,7 @@ TEST_F(MetricsInTorchProcessTest, ServesCounterToAnotherThreadRunningTorch) {
   absl::StatusOr<std::string> body = absl::UnknownError("not run");
   std::thread client([&] {
     MatmulMatchesManualDotProduct();
-    body = HttpGet(url_);
+    body = testutil::HttpGet(url_);
   });
   client.join();
   ASSERT_TRUE(body.ok()) << body.status();
@@ -144,7 +112,7 @@ TEST_F(MetricsInTorchProcessTest, ServesCounterToAnotherThreadRunningTorch) {
 }
 
 TEST_F(MetricsInTorchProcessTest, UnknownPathIsNotServed) {
-  const absl::StatusOr<std::string> body = HttpGet(absl::StrCat(
+  const absl::StatusOr<std::string> body = testutil::HttpGet(absl::StrCat(
       "http://127.0.0.1:", exposer_->GetListeningPorts()[0], "/not_metrics"));
   EXPECT_EQ(body.status().code(), absl::StatusCode::kUnknown) << body.status();
   EXPECT_THAT(body.status().message(), HasSubstr("HTTP 404"));

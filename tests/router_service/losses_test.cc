@@ -68,13 +68,19 @@ Losses HandLosses(const RoutingConfig& c, const Matrix& g, const std::vector<dou
   return l;
 }
 
+using MethodPreset = std::tuple<RoutingMethod, const char*>;
+
+std::string MethodPresetName(const ::testing::TestParamInfo<MethodPreset>& info) {
+  return std::string(RoutingMethodName(std::get<0>(info.param))) + "_" + std::get<1>(info.param);
+}
+
 const Matrix kLogits = {
     {0.3, -1.2, 2.0, 0.1, 0.7, -0.4, 1.1, 0.0},  {1.5, 0.2, -0.3, 0.9, -1.0, 0.4, 0.05, 2.2},
     {-0.6, 0.8, 0.3, -0.2, 1.9, 1.0, -1.3, 0.6}, {0.0, 0.45, 1.25, -0.75, 0.2, -0.1, 0.9, 1.4},
     {2.4, -0.5, 0.1, 0.6, 0.3, 1.7, -0.9, -0.2}, {-1.1, 1.3, 0.7, 0.2, -0.3, 0.5, 1.6, 0.35}};
 
 class LossValueTest
-    : public ::testing::TestWithParam<std::tuple<RoutingMethod, const char*>> {};
+    : public ::testing::TestWithParam<MethodPreset> {};
 
 TEST_P(LossValueTest, MatchesHandComputedFormulas) {
   RoutingConfig c = Config(std::get<0>(GetParam()), 8, 4, 1);
@@ -108,10 +114,7 @@ INSTANTIATE_TEST_SUITE_P(
     MethodsAndPresets, LossValueTest,
     ::testing::Combine(::testing::ValuesIn(testing::kAllMethods),
                        ::testing::Values("paper", "reference")),
-    [](const auto& info) {
-      return std::string(RoutingMethodName(std::get<0>(info.param))) + "_" +
-             std::get<1>(info.param);
-    });
+    MethodPresetName);
 
 TEST(LossValueTest, UniformLogitsGiveClosedForms) {
   // p_i = 1/N: L_load = alpha*N*sum_i h_i/N = alpha*K; ||p||^2 = 1/N;
@@ -142,7 +145,7 @@ double Objective(RouterLayer& router, const at::Tensor& logits, const at::Tensor
 }
 
 class LossGradientTest
-    : public ::testing::TestWithParam<std::tuple<RoutingMethod, const char*>> {};
+    : public ::testing::TestWithParam<MethodPreset> {};
 
 TEST_P(LossGradientTest, AutogradMatchesFiniteDifferences) {
   at::manual_seed(7);
@@ -181,10 +184,7 @@ INSTANTIATE_TEST_SUITE_P(
     MethodsAndPresets, LossGradientTest,
     ::testing::Combine(::testing::ValuesIn(testing::kAllMethods),
                        ::testing::Values("paper", "reference")),
-    [](const auto& info) {
-      return std::string(RoutingMethodName(std::get<0>(info.param))) + "_" +
-             std::get<1>(info.param);
-    });
+    MethodPresetName);
 
 }  // namespace
 }  // namespace himoe::router

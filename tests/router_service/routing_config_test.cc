@@ -76,20 +76,20 @@ TEST(RoutingConfigTest, DefaultsArePaperAndValid) {
   EXPECT_EQ(c.total_k(), 4);
 }
 
+void ExpectSwitches(const RoutingConfig& c, bool reference) {
+  EXPECT_EQ(c.renormalize, reference);
+  EXPECT_EQ(c.inter_form, reference ? InterForm::kDenseGroupMass : InterForm::kSelectedWeights);
+  EXPECT_EQ(c.intra_source, reference ? ProbSource::kRaw : ProbSource::kCorrected);
+  EXPECT_EQ(c.load_source, reference ? ProbSource::kRaw : ProbSource::kCorrected);
+  EXPECT_EQ(c.capacity_factor, reference ? 2.0 : 0.0);
+}
+
 TEST(RoutingConfigTest, PresetsFlipEverySwitch) {
   RoutingConfig c;
   ASSERT_TRUE(ApplyPreset("reference", &c).ok());
-  EXPECT_TRUE(c.renormalize);
-  EXPECT_EQ(c.inter_form, InterForm::kDenseGroupMass);
-  EXPECT_EQ(c.intra_source, ProbSource::kRaw);
-  EXPECT_EQ(c.load_source, ProbSource::kRaw);
-  EXPECT_EQ(c.capacity_factor, 2.0);
+  ExpectSwitches(c, /*reference=*/true);
   ASSERT_TRUE(ApplyPreset("paper", &c).ok());
-  EXPECT_FALSE(c.renormalize);
-  EXPECT_EQ(c.inter_form, InterForm::kSelectedWeights);
-  EXPECT_EQ(c.intra_source, ProbSource::kCorrected);
-  EXPECT_EQ(c.load_source, ProbSource::kCorrected);
-  EXPECT_EQ(c.capacity_factor, 0.0);
+  ExpectSwitches(c, /*reference=*/false);
   const absl::Status bad = ApplyPreset("megatron", &c);
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad.message()), HasSubstr("preset 'megatron' is unknown"));

@@ -125,7 +125,9 @@ TEST(SelectionTest, DispatchPlanCoversEveryKeptAssignmentSortedByExpert) {
     const auto slots = d.slots.accessor<int64_t, 1>();
     for (int64_t i = 0; i < rows.size(0); ++i) {
       EXPECT_EQ(expert[i] / 2, g);
-      if (i > 0) EXPECT_LE(expert[i - 1], expert[i]);
+      if (i > 0) {
+        EXPECT_LE(expert[i - 1], expert[i]);
+      }
       const int64_t t = slots[i] / 4, j = slots[i] % 4;
       EXPECT_EQ(rows[i], t);
       EXPECT_EQ(ids[t][j], expert[i]);

@@ -1,0 +1,105 @@
+#include "common/cluster_config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/text_format.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace himoe {
+namespace {
+
+class ErrorCollector : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, int column, const std::string& message) override {
+    absl::StrAppend(&errors_, errors_.empty() ? "" : "; ", "line ", line + 1, ":",
+                    column + 1, ": ", message);
+  }
+  const std::string& errors() const { return errors_; }
+
+ private:
+  std::string errors_;
+};
+
+absl::Status Invalid(absl::string_view origin, absl::string_view message) {
+  return absl::InvalidArgumentError(absl::StrCat(origin, ": ", message));
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
+                                                     absl::string_view origin) {
+  v1::ClusterConfig c;
+  google::protobuf::TextFormat::Parser parser;
+  ErrorCollector errors;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.ParseFromString(std::string(text), &c)) {
+    return Invalid(origin, absl::StrCat("not a valid ClusterConfig text proto: ",
+                                        errors.errors()));
+  }
+  v1::ModelSpec& m = *c.mutable_model();
+  if (m.num_layers() == 0) m.set_num_layers(1);
+  if (m.top_k() == 0) m.set_top_k(1);
+  if (m.expert_dtype().empty()) m.set_expert_dtype("float32");
+  if (m.num_groups() == 0) m.set_num_groups(c.groups_size());
+  if (c.routing().method().empty()) c.mutable_routing()->set_method("himoe");
+  if (c.routing().preset().empty()) c.mutable_routing()->set_preset("paper");
+  v1::RouterSpec& r = *c.mutable_router();
+  if (r.wire_dtype().empty()) r.set_wire_dtype("float32");
+  if (r.chunk_bytes() == 0) r.set_chunk_bytes(1 << 20);
+  if (r.deadline_ms() == 0) r.set_deadline_ms(10000);
+  if (r.max_batch_tokens() == 0) r.set_max_batch_tokens(8192);
+  if (r.max_queue_delay_us() == 0) r.set_max_queue_delay_us(500);
+  if (r.max_tokens_per_request() == 0) r.set_max_tokens_per_request(65536);
+
+  if (m.num_layers() < 1) return Invalid(origin, "model.num_layers must be >= 1");
+  if (m.d_model() < 1) return Invalid(origin, "model.d_model must be >= 1");
+  if (m.d_ff() < 1) return Invalid(origin, "model.d_ff must be >= 1");
+  if (m.num_experts() < 1) return Invalid(origin, "model.num_experts must be >= 1");
+  if (c.groups_size() == 0) return Invalid(origin, "groups: at least one group is needed");
+  if (m.num_groups() != c.groups_size()) {
+    return Invalid(origin, absl::StrCat("model.num_groups is ", m.num_groups(), " but ",
+                                        c.groups_size(), " groups are listed"));
+  }
+  if (m.num_experts() % m.num_groups() != 0) {
+    return Invalid(origin, absl::StrCat("model.num_experts (", m.num_experts(),
+                                        ") must be divisible by the number of groups (",
+                                        m.num_groups(), ")"));
+  }
+  if (m.expert_dtype() != "float32" && m.expert_dtype() != "bfloat16") {
+    return Invalid(origin, absl::StrCat("model.expert_dtype must be float32 or bfloat16, got '",
+                                        m.expert_dtype(), "'"));
+  }
+  if (r.wire_dtype() != "float32" && r.wire_dtype() != "bfloat16") {
+    return Invalid(origin, absl::StrCat("router.wire_dtype must be float32 or bfloat16, got '",
+                                        r.wire_dtype(), "'"));
+  }
+  for (int g = 0; g < c.groups_size(); ++g) {
+    const v1::GroupSpec& group = c.groups(g);
+    if (group.address().empty() || group.address().find(':') == std::string::npos) {
+      return Invalid(origin, absl::StrCat("groups[", g, "].address must be host:port, got '",
+                                          group.address(), "'"));
+    }
+    if (group.threads() < 0) {
+      return Invalid(origin, absl::StrCat("groups[", g, "].threads must be >= 0"));
+    }
+  }
+  if (r.chunk_bytes() < 1 || r.deadline_ms() < 1 || r.max_batch_tokens() < 1 ||
+      r.max_queue_delay_us() < 0 || r.max_tokens_per_request() < 1) {
+    return Invalid(origin, "router: chunk_bytes, deadline_ms, max_batch_tokens and "
+                           "max_tokens_per_request must be >= 1, max_queue_delay_us >= 0");
+  }
+  return c;
+}
+
+absl::StatusOr<v1::ClusterConfig> LoadClusterConfig(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cluster file ", path, ": cannot open"));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return ParseClusterConfig(buffer.str(), path);
+}
+
+}  // namespace himoe

@@ -1,0 +1,231 @@
+#include "expert_service/expert_grpc_service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "proto/grpc_status.h"
+
+namespace himoe::expert {
+namespace {
+
+// Streams the chunks of a state snapshot taken when the call arrives.
+class GetStateReactor final : public grpc::ServerWriteReactor<v1::StateChunk> {
+ public:
+  GetStateReactor(const ExpertServiceCore& core, const v1::GetStateRequest& request,
+                  int64_t max_chunk_bytes) {
+    if (request.chunk_bytes() < 0) {
+      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "chunk_bytes: ", request.chunk_bytes(), "; expected >= 0 (0 = default)"))));
+      return;
+    }
+    const int64_t chunk_bytes = std::min(
+        request.chunk_bytes() == 0 ? kDefaultStateChunkBytes : request.chunk_bytes(),
+        max_chunk_bytes);
+    auto state = core.GetState(request.include_optimizer());
+    if (!state.ok()) {
+      Finish(ToGrpcStatus(state.status()));
+      return;
+    }
+    auto chunker = StateChunker::Create(std::move(*state), chunk_bytes);
+    if (!chunker.ok()) {
+      Finish(ToGrpcStatus(chunker.status()));
+      return;
+    }
+    chunker_ = std::move(*chunker);
+    NextWrite();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "GetState: stream broken"));
+      return;
+    }
+    NextWrite();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void NextWrite() {
+    if (chunker_->Next(&chunk_)) {
+      StartWrite(&chunk_);
+    } else {
+      Finish(grpc::Status::OK);
+    }
+  }
+
+  std::unique_ptr<StateChunker> chunker_;
+  v1::StateChunk chunk_;
+};
+
+// Assembles the streamed chunks and applies them all at once at the end.
+class SetStateReactor final : public grpc::ServerReadReactor<v1::StateChunk> {
+ public:
+  SetStateReactor(grpc::CallbackServerContext* context, ExpertServiceCore* core,
+                  v1::SetStateResponse* response)
+      : context_(context),
+        core_(core),
+        response_(response),
+        assembler_([core](const std::string& name, c10::ScalarType dtype,
+                          at::IntArrayRef shape) {
+          return core->ValidateStateTensor(name, dtype, shape);
+        }) {
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (ok) {
+      const absl::Status status = assembler_.Add(chunk_);
+      if (!status.ok()) {
+        Finish(ToGrpcStatus(status));
+        return;
+      }
+      StartRead(&chunk_);
+      return;
+    }
+    // End of the client's stream. A cancelled stream must not apply the
+    // tensors that happened to be complete (best effort: the cancellation may
+    // only be visible later, as with any race against a client).
+    if (context_->IsCancelled()) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "SetState: cancelled"));
+      return;
+    }
+    auto tensors = assembler_.Finish();
+    if (!tensors.ok()) {
+      Finish(ToGrpcStatus(tensors.status()));
+      return;
+    }
+    const absl::Status status = core_->SetState(*tensors);
+    if (status.ok()) response_->set_tensors(static_cast<int32_t>(tensors->size()));
+    Finish(ToGrpcStatus(status));
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  grpc::CallbackServerContext* context_;
+  ExpertServiceCore* core_;
+  v1::SetStateResponse* response_;
+  StateAssembler assembler_;
+  v1::StateChunk chunk_;
+};
+
+}  // namespace
+
+ExpertGrpcService::ExpertGrpcService(ExpertServiceCore* core, int64_t max_chunk_bytes)
+    : core_(core), max_chunk_bytes_(std::max<int64_t>(max_chunk_bytes, 1)) {}
+
+grpc::ServerUnaryReactor* ExpertGrpcService::Info(grpc::CallbackServerContext* context,
+                                                  const v1::ExpertInfoRequest*,
+                                                  v1::ExpertInfoResponse* response) {
+  core_->FillInfo(response);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ExpertGrpcService::Forward(
+    grpc::CallbackServerContext* context, const v1::ExpertForwardRequest* request,
+    v1::ExpertForwardResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(core_->Forward(*request, response)));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ExpertGrpcService::Backward(
+    grpc::CallbackServerContext* context, const v1::ExpertBackwardRequest* request,
+    v1::ExpertBackwardResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(core_->Backward(*request, response)));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ExpertGrpcService::Step(grpc::CallbackServerContext* context,
+                                                  const v1::ExpertStepRequest* request,
+                                                  v1::ExpertStepResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(core_->Step(*request, response)));
+  return reactor;
+}
+
+grpc::ServerWriteReactor<v1::StateChunk>* ExpertGrpcService::GetState(
+    grpc::CallbackServerContext*, const v1::GetStateRequest* request) {
+  return new GetStateReactor(*core_, *request, max_chunk_bytes_);
+}
+
+grpc::ServerReadReactor<v1::StateChunk>* ExpertGrpcService::SetState(
+    grpc::CallbackServerContext* context, v1::SetStateResponse* response) {
+  return new SetStateReactor(context, core_, response);
+}
+
+absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(
+    const ExpertServerOptions& options) {
+  if (options.max_message_bytes < 1024) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_message_bytes: ", options.max_message_bytes, "; expected >= 1024"));
+  }
+  const size_t colon = options.address.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "address: expected host:port, got '", options.address, "'"));
+  }
+  std::unique_ptr<ExpertServer> server(new ExpertServer());
+  ASSIGN_OR_RETURN(server->core_, ExpertServiceCore::Create(options.core));
+  if (!options.state_file.empty()) {
+    RETURN_IF_ERROR(LoadStateFromFile(options.state_file, server->core_.get()));
+  }
+  // Leaves room for the chunk's name, shape and framing.
+  server->service_ = std::make_unique<ExpertGrpcService>(
+      server->core_.get(), options.max_message_bytes - 512);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(),
+                           &server->port_);
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  builder.RegisterService(server->service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    if (server->server_ != nullptr) server->server_->Shutdown();
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on '", options.address, "'"));
+  }
+  server->address_ =
+      absl::StrCat(options.address.substr(0, colon), ":", server->port_);
+  if (grpc::HealthCheckServiceInterface* health =
+          server->server_->GetHealthCheckService()) {
+    health->SetServingStatus(v1::ExpertService::service_full_name(), true);
+    health->SetServingStatus(true);
+  }
+  return server;
+}
+
+ExpertServer::~ExpertServer() {
+  Shutdown();
+  Wait();
+}
+
+void ExpertServer::Shutdown(absl::Duration deadline) {
+  if (server_ == nullptr) return;
+  std::call_once(shutdown_once_, [&] {
+    if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+      health->Shutdown();
+    }
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      absl::ToChronoMicroseconds(deadline));
+  });
+}
+
+void ExpertServer::Wait() {
+  if (server_ != nullptr) server_->Wait();
+}
+
+}  // namespace himoe::expert

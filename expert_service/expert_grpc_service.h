@@ -1,0 +1,90 @@
+#ifndef HIMOE_EXPERT_SERVICE_EXPERT_GRPC_SERVICE_H_
+#define HIMOE_EXPERT_SERVICE_EXPERT_GRPC_SERVICE_H_
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "expert_service/expert_service_core.h"
+#include "himoe/v1/expert.grpc.pb.h"
+
+namespace himoe::expert {
+
+// The gRPC adapter over ExpertServiceCore: decode, call the core, encode.
+class ExpertGrpcService final : public v1::ExpertService::CallbackService {
+ public:
+  // `core` must outlive the service. GetState chunks are capped at
+  // max_chunk_bytes so that each fits in one message.
+  ExpertGrpcService(ExpertServiceCore* core, int64_t max_chunk_bytes);
+
+  grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* context,
+                                 const v1::ExpertInfoRequest* request,
+                                 v1::ExpertInfoResponse* response) override;
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
+                                    const v1::ExpertForwardRequest* request,
+                                    v1::ExpertForwardResponse* response) override;
+  grpc::ServerUnaryReactor* Backward(grpc::CallbackServerContext* context,
+                                     const v1::ExpertBackwardRequest* request,
+                                     v1::ExpertBackwardResponse* response) override;
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
+                                 const v1::ExpertStepRequest* request,
+                                 v1::ExpertStepResponse* response) override;
+  grpc::ServerWriteReactor<v1::StateChunk>* GetState(
+      grpc::CallbackServerContext* context,
+      const v1::GetStateRequest* request) override;
+  grpc::ServerReadReactor<v1::StateChunk>* SetState(
+      grpc::CallbackServerContext* context,
+      v1::SetStateResponse* response) override;
+
+ private:
+  ExpertServiceCore* core_;
+  int64_t max_chunk_bytes_;
+};
+
+struct ExpertServerOptions {
+  ExpertServiceOptions core;
+  std::string address = "127.0.0.1:0";  // host:port; port 0 picks one
+  int max_message_bytes = 64 << 20;     // receive and send
+  // Optional: a state file (SaveStateToFile) loaded before serving.
+  std::string state_file;
+};
+
+// A running himoe-expert gRPC server (ExpertService, health, reflection).
+class ExpertServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<ExpertServer>> Start(
+      const ExpertServerOptions& options);
+  ExpertServer(const ExpertServer&) = delete;
+  ExpertServer& operator=(const ExpertServer&) = delete;
+  ~ExpertServer();  // Shutdown() then Wait()
+
+  int port() const { return port_; }
+  // The bound address, "host:port" with the port actually chosen.
+  const std::string& address() const { return address_; }
+  ExpertServiceCore* core() { return core_.get(); }
+
+  // Reports NOT_SERVING, stops accepting calls, and cancels calls still
+  // running after `deadline`. Idempotent, thread-safe.
+  void Shutdown(absl::Duration deadline = absl::Seconds(5));
+  // Blocks until the server has shut down.
+  void Wait();
+
+ private:
+  ExpertServer() = default;
+
+  std::unique_ptr<ExpertServiceCore> core_;
+  std::unique_ptr<ExpertGrpcService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+  int port_ = 0;
+  std::once_flag shutdown_once_;
+};
+
+}  // namespace himoe::expert
+
+#endif  // HIMOE_EXPERT_SERVICE_EXPERT_GRPC_SERVICE_H_

@@ -1,0 +1,755 @@
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <limits>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "common/tensor_codec.h"
+#include "expert_service/expert_group.h"
+#include "expert_service/expert_grpc_service.h"
+#include "expert_service/expert_service_core.h"
+#include "himoe/v1/expert.grpc.pb.h"
+#include "proto/grpc_status.h"
+
+extern char** environ;
+
+namespace himoe::expert {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr int kGroup = 1;
+constexpr int kNumGroups = 4;
+constexpr int kNumExperts = 8;
+constexpr int kLayers = 2;
+constexpr int64_t kD = 16;
+constexpr int64_t kDff = 32;
+constexpr uint64_t kSeed = 42;
+constexpr int64_t kMaxTokens = 64;
+
+ExpertServiceOptions CoreOptions(uint64_t seed = kSeed,
+                                 c10::ScalarType dtype = c10::kFloat) {
+  ExpertServiceOptions o;
+  o.group_id = kGroup;
+  o.num_groups = kNumGroups;
+  o.num_experts = kNumExperts;
+  o.num_layers = kLayers;
+  o.d_model = kD;
+  o.d_ff = kDff;
+  o.seed = seed;
+  o.dtype = dtype;
+  o.max_tokens_per_request = kMaxTokens;
+  return o;
+}
+
+// The oracle: the group as router_service/local_moe.cc builds it.
+std::unique_ptr<ExpertGroup> LocalGroup(int layer, uint64_t seed = kSeed,
+                                        c10::ScalarType dtype = c10::kFloat) {
+  ExpertGroupOptions g;
+  g.group_id = kGroup;
+  g.experts_per_group = kNumExperts / kNumGroups;
+  g.d_model = kD;
+  g.d_ff = kDff;
+  g.layer = layer;
+  g.seed = seed;
+  g.dtype = dtype;
+  auto group = ExpertGroup::Create(g);
+  EXPECT_TRUE(group.ok()) << group.status();
+  return std::move(group).value();
+}
+
+at::Tensor LocalForward(const ExpertGroup& group, int expert, const at::Tensor& rows) {
+  auto out = group.Forward(rows, at::full({rows.size(0)}, expert, at::kLong));
+  EXPECT_TRUE(out.ok()) << out.status();
+  return *out;
+}
+
+v1::Tensor Encode(const at::Tensor& t) {
+  v1::Tensor proto;
+  EXPECT_TRUE(EncodeTensor(t, &proto).ok());
+  return proto;
+}
+
+at::Tensor Decode(const v1::Tensor& proto) {
+  auto t = DecodeTensor(proto);
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? *t : at::Tensor();
+}
+
+v1::ExpertForwardRequest MakeRequest(
+    int layer, const std::vector<std::pair<int, at::Tensor>>& inputs) {
+  v1::ExpertForwardRequest request;
+  request.set_layer(layer);
+  for (const auto& [expert, rows] : inputs) {
+    v1::ExpertRows* in = request.add_inputs();
+    in->set_expert_id(expert);
+    *in->mutable_rows() = Encode(rows);
+  }
+  return request;
+}
+
+double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>();
+}
+
+std::vector<v1::StateChunk> ChunksOf(std::vector<NamedTensor> tensors, int64_t bytes) {
+  auto chunker = StateChunker::Create(std::move(tensors), bytes);
+  EXPECT_TRUE(chunker.ok()) << chunker.status();
+  std::vector<v1::StateChunk> chunks;
+  v1::StateChunk chunk;
+  while ((*chunker)->Next(&chunk)) chunks.push_back(chunk);
+  return chunks;
+}
+
+std::string BytesOf(grpc::ByteBuffer* buffer) {
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (!buffer->Dump(&slices).ok()) return bytes;
+  for (const grpc::Slice& s : slices) {
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return bytes;
+}
+
+class ExpertServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ExpertServerOptions options;
+    options.core = CoreOptions();
+    options.address = "127.0.0.1:0";
+    auto server = ExpertServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    ASSERT_GT(server_->port(), 0);
+    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+    stub_ = v1::ExpertService::NewStub(channel_);
+  }
+
+  void TearDown() override {
+    if (server_ != nullptr) {
+      server_->Shutdown(absl::Seconds(5));
+      server_->Wait();
+    }
+  }
+
+  grpc::Status Forward(const v1::ExpertForwardRequest& request,
+                       v1::ExpertForwardResponse* response) {
+    grpc::ClientContext context;
+    return stub_->Forward(&context, request, response);
+  }
+
+  std::vector<v1::StateChunk> GetState(int64_t chunk_bytes, grpc::Status* status) {
+    grpc::ClientContext context;
+    v1::GetStateRequest request;
+    request.set_chunk_bytes(chunk_bytes);
+    auto reader = stub_->GetState(&context, request);
+    std::vector<v1::StateChunk> chunks;
+    v1::StateChunk chunk;
+    while (reader->Read(&chunk)) chunks.push_back(chunk);
+    *status = reader->Finish();
+    return chunks;
+  }
+
+  grpc::Status SetState(const std::vector<v1::StateChunk>& chunks,
+                        v1::SetStateResponse* response) {
+    grpc::ClientContext context;
+    auto writer = stub_->SetState(&context, response);
+    for (const v1::StateChunk& chunk : chunks) {
+      if (!writer->Write(chunk)) break;  // the server finished early
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+
+  std::unique_ptr<ExpertServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::ExpertService::Stub> stub_;
+};
+
+TEST_F(ExpertServiceTest, InfoDescribesTheGroup) {
+  grpc::ClientContext context;
+  v1::ExpertInfoResponse info;
+  ASSERT_TRUE(stub_->Info(&context, v1::ExpertInfoRequest(), &info).ok());
+  EXPECT_EQ(info.group_id(), kGroup);
+  EXPECT_THAT(info.expert_ids(), ElementsAre(2, 3));
+  EXPECT_THAT(info.layers(), ElementsAre(0, 1));
+  EXPECT_EQ(info.d_model(), kD);
+  EXPECT_EQ(info.d_ff(), kDff);
+  EXPECT_EQ(info.dtype(), v1::DTYPE_FLOAT32);
+  EXPECT_EQ(info.device(), "cpu");
+  EXPECT_EQ(info.version(), kExpertServiceVersion);
+  EXPECT_EQ(info.num_experts(), kNumExperts);
+  EXPECT_EQ(info.num_groups(), kNumGroups);
+}
+
+TEST_F(ExpertServiceTest, Fp32ForwardEqualsLocalExpertGroup) {
+  const at::Tensor a = at::randn({5, kD});
+  const at::Tensor b = at::randn({3, kD});
+  const at::Tensor empty = at::empty({0, kD});
+  v1::ExpertForwardResponse response;
+  ASSERT_TRUE(Forward(MakeRequest(1, {{3, a}, {2, b}, {3, empty}}), &response).ok());
+  ASSERT_EQ(response.outputs_size(), 3);
+  const auto group = LocalGroup(1);
+  const std::vector<std::pair<int, at::Tensor>> want = {
+      {3, LocalForward(*group, 3, a)}, {2, LocalForward(*group, 2, b)}, {3, empty}};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(response.outputs(i).expert_id(), want[i].first);
+    EXPECT_EQ(response.outputs(i).rows().dtype(), v1::DTYPE_FLOAT32);
+    const at::Tensor got = Decode(response.outputs(i).rows());
+    ASSERT_EQ(got.sizes(), want[i].second.sizes()) << "output " << i;
+    if (got.numel() > 0) {
+      EXPECT_LE(MaxAbsDiff(got, want[i].second), 1e-6) << i;
+    }
+  }
+  // Layer 0 has other weights.
+  v1::ExpertForwardResponse layer0;
+  ASSERT_TRUE(Forward(MakeRequest(0, {{3, a}}), &layer0).ok());
+  EXPECT_LE(MaxAbsDiff(Decode(layer0.outputs(0).rows()), LocalForward(*LocalGroup(0), 3, a)),
+            1e-6);
+
+  const ExpertServiceCounters c = server_->core()->counters();
+  EXPECT_THAT(c.tokens_per_layer_expert[1], ElementsAre(3, 5));
+  EXPECT_THAT(c.tokens_per_expert, ElementsAre(3, 10));
+  EXPECT_EQ(c.forward_requests, 2);
+  EXPECT_EQ(c.forward_failures, 0);
+  EXPECT_EQ(c.bytes_in, (5 + 3 + 5) * kD * 4);
+  EXPECT_EQ(c.bytes_out, c.bytes_in);
+  EXPECT_EQ(c.in_flight, 0);
+}
+
+TEST_F(ExpertServiceTest, Bf16RequestGetsBf16Answer) {
+  const at::Tensor rows = at::randn({4, kD}).to(at::kBFloat16);
+  v1::ExpertForwardResponse response;
+  ASSERT_TRUE(Forward(MakeRequest(0, {{2, rows}}), &response).ok());
+  ASSERT_EQ(response.outputs_size(), 1);
+  EXPECT_EQ(response.outputs(0).rows().dtype(), v1::DTYPE_BFLOAT16);
+  const at::Tensor got = Decode(response.outputs(0).rows());
+  EXPECT_EQ(got.scalar_type(), at::kBFloat16);
+  const at::Tensor want = LocalForward(*LocalGroup(0), 2, rows).to(at::kBFloat16);
+  EXPECT_LE(MaxAbsDiff(got, want), 1e-2);
+}
+
+struct BadCase {
+  std::string name;
+  std::function<void(v1::ExpertForwardRequest*)> mutate;
+  std::string message;
+};
+
+TEST_F(ExpertServiceTest, BadInputsAreInvalidArgumentAndServerKeepsServing) {
+  const std::vector<BadCase> cases = {
+      {"wrong d_model",
+       [](v1::ExpertForwardRequest* r) {
+         *r->mutable_inputs(0)->mutable_rows() = Encode(at::randn({2, kD - 1}));
+       },
+       "inputs[0].rows: expected shape [n, 16] (2-D, d_model=16), got [2, 15]"},
+      {"not 2-D",
+       [](v1::ExpertForwardRequest* r) {
+         *r->mutable_inputs(1)->mutable_rows() = Encode(at::randn({kD}));
+       },
+       "inputs[1].rows: expected shape [n, 16] (2-D, d_model=16), got [16]"},
+      {"dtype unknown",
+       [](v1::ExpertForwardRequest* r) {
+         r->mutable_inputs(0)->mutable_rows()->set_dtype(static_cast<v1::DType>(99));
+       },
+       "inputs[0].rows.dtype: unknown or unspecified value 99"},
+      {"integer dtype",
+       [](v1::ExpertForwardRequest* r) {
+         *r->mutable_inputs(0)->mutable_rows() = Encode(at::ones({2, kD}, at::kLong));
+       },
+       "inputs[0].rows.dtype: Long is not a floating type"},
+      {"byte length",
+       [](v1::ExpertForwardRequest* r) {
+         r->mutable_inputs(1)->mutable_rows()->mutable_data()->resize(10);
+       },
+       "inputs[1].rows.data has 10 bytes; shape [3,16] of Float needs 192"},
+      {"NaN",
+       [](v1::ExpertForwardRequest* r) {
+         at::Tensor x = at::randn({2, kD});
+         x[1][3] = std::numeric_limits<float>::quiet_NaN();
+         *r->mutable_inputs(0)->mutable_rows() = Encode(x);
+       },
+       "inputs[0].rows contains NaN or Inf"},
+      {"Inf",
+       [](v1::ExpertForwardRequest* r) {
+         at::Tensor x = at::randn({3, kD});
+         x[0][0] = -std::numeric_limits<float>::infinity();
+         *r->mutable_inputs(1)->mutable_rows() = Encode(x.to(at::kBFloat16));
+       },
+       "inputs[1].rows contains NaN or Inf"},
+      {"empty batch", [](v1::ExpertForwardRequest* r) { r->clear_inputs(); },
+       "inputs: the request is empty"},
+      {"zero rows",
+       [](v1::ExpertForwardRequest* r) {
+         *r->mutable_inputs(0)->mutable_rows() = Encode(at::empty({0, kD}));
+         *r->mutable_inputs(1)->mutable_rows() = Encode(at::empty({0, kD}));
+       },
+       "inputs: the request has no rows"},
+      {"unknown layer", [](v1::ExpertForwardRequest* r) { r->set_layer(7); },
+       "layer: 7 is not served; layers are [0, 2)"},
+      {"negative layer", [](v1::ExpertForwardRequest* r) { r->set_layer(-1); },
+       "layer: -1 is not served; layers are [0, 2)"},
+      {"over token limit",
+       [](v1::ExpertForwardRequest* r) {
+         *r->mutable_inputs(1)->mutable_rows() = Encode(at::randn({kMaxTokens - 1, kD}));
+       },
+       "inputs: 65 rows in total exceed max_tokens_per_request=64"},
+      {"expert outside group",
+       [](v1::ExpertForwardRequest* r) { r->mutable_inputs(1)->set_expert_id(4); },
+       "inputs[1].expert_id: 4 is outside group 1; expected an expert id in [2, 4)"},
+  };
+  const v1::ExpertForwardRequest good =
+      MakeRequest(1, {{2, at::randn({2, kD})}, {3, at::randn({3, kD})}});
+  for (const BadCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    v1::ExpertForwardRequest request = good;
+    c.mutate(&request);
+    v1::ExpertForwardResponse response;
+    const grpc::Status status = Forward(request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(), HasSubstr(c.message));
+  }
+  v1::ExpertForwardResponse response;
+  ASSERT_TRUE(Forward(good, &response).ok());
+  EXPECT_EQ(response.outputs_size(), 2);
+  EXPECT_EQ(server_->core()->counters().forward_failures,
+            static_cast<int64_t>(cases.size()));
+}
+
+TEST_F(ExpertServiceTest, TrainingRpcsAreUnimplementedForNow) {
+  v1::ExpertForwardRequest request = MakeRequest(0, {{2, at::randn({1, kD})}});
+  request.set_save_for_backward(true);
+  v1::ExpertForwardResponse response;
+  const grpc::Status forward = Forward(request, &response);
+  EXPECT_EQ(forward.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_THAT(forward.error_message(), HasSubstr("save_for_backward"));
+  {
+    grpc::ClientContext context;
+    v1::ExpertBackwardResponse r;
+    const grpc::Status s = stub_->Backward(&context, v1::ExpertBackwardRequest(), &r);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+    EXPECT_THAT(s.error_message(), HasSubstr("trainer"));
+  }
+  {
+    grpc::ClientContext context;
+    v1::ExpertStepResponse r;
+    const grpc::Status s = stub_->Step(&context, v1::ExpertStepRequest(), &r);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+    EXPECT_THAT(s.error_message(), HasSubstr("trainer"));
+  }
+}
+
+TEST_F(ExpertServiceTest, ConcurrentForwardsAllMatch) {
+  const at::Tensor rows = at::randn({6, kD});
+  const at::Tensor want = LocalForward(*LocalGroup(1), 3, rows);
+  const v1::ExpertForwardRequest request = MakeRequest(1, {{3, rows}});
+  std::vector<std::thread> threads;
+  std::vector<int> bad(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 10; ++i) {
+        v1::ExpertForwardResponse response;
+        if (!Forward(request, &response).ok() ||
+            MaxAbsDiff(Decode(response.outputs(0).rows()), want) > 1e-6) {
+          ++bad[t];
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_THAT(bad, ElementsAre(0, 0, 0, 0));
+  EXPECT_THAT(server_->core()->counters().tokens_per_layer_expert[1], ElementsAre(0, 240));
+}
+
+TEST_F(ExpertServiceTest, StateRoundTripsThroughChunkedStreams) {
+  grpc::Status status;
+  const std::vector<v1::StateChunk> chunks = GetState(100, &status);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<std::string> names;
+  StateAssembler assembler;
+  for (const v1::StateChunk& chunk : chunks) {
+    EXPECT_LE(chunk.data().size(), 100u);
+    if (chunk.last()) names.push_back(chunk.name());
+    ASSERT_TRUE(assembler.Add(chunk).ok());
+  }
+  EXPECT_THAT(names, ElementsAre("layer0.w1", "layer0.b1", "layer0.w2", "layer0.b2",
+                                 "layer1.w1", "layer1.b1", "layer1.w2", "layer1.b2"));
+  // w1 alone is 2*32*16*4 = 4096 bytes: 41 chunks of <= 100 bytes.
+  EXPECT_GT(chunks.size(), 8u * 2);
+  auto fetched = assembler.Finish();
+  ASSERT_TRUE(fetched.ok());
+  const auto local = LocalGroup(1)->named_parameters();
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(at::equal((*fetched)[4 + i].second, local[i].second.detach()))
+        << local[i].first;
+  }
+
+  // Load the weights of another seed, chunked, then check Forward and GetState.
+  auto other = ExpertServiceCore::Create(CoreOptions(/*seed=*/7));
+  ASSERT_TRUE(other.ok());
+  auto other_state = (*other)->GetState();
+  ASSERT_TRUE(other_state.ok());
+  v1::SetStateResponse set_response;
+  status = SetState(ChunksOf(*other_state, 100), &set_response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(set_response.tensors(), 8);
+
+  const at::Tensor rows = at::randn({4, kD});
+  v1::ExpertForwardResponse response;
+  ASSERT_TRUE(Forward(MakeRequest(1, {{2, rows}}), &response).ok());
+  EXPECT_LE(MaxAbsDiff(Decode(response.outputs(0).rows()),
+                       LocalForward(*LocalGroup(1, 7), 2, rows)),
+            1e-6);
+  const std::vector<v1::StateChunk> again = GetState(0, &status);
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(again.size(), 8u);  // default 1 MiB chunks: one per tensor
+  for (size_t i = 0; i < again.size(); ++i) {
+    EXPECT_TRUE(at::equal(Decode([&] {
+                            v1::Tensor t;
+                            t.set_dtype(again[i].dtype());
+                            *t.mutable_shape() = again[i].shape();
+                            t.set_data(again[i].data());
+                            return t;
+                          }()),
+                          (*other_state)[i].second))
+        << again[i].name();
+  }
+}
+
+TEST_F(ExpertServiceTest, SetStateRejectsBadTensorsAndAppliesNothing) {
+  const at::Tensor new_b1 = at::ones({2, kDff});
+  const struct {
+    std::string name;
+    std::vector<NamedTensor> tensors;
+    std::string message;
+  } cases[] = {
+      {"wrong shape",
+       {{"layer0.b1", new_b1}, {"layer0.w1", at::zeros({2, kDff, kD - 1})}},
+       "state 'layer0.w1': shape [2, 32, 15] does not match the parameter's [2, 32, 16]"},
+      {"wrong dtype",
+       {{"layer0.b1", new_b1}, {"layer0.w1", at::zeros({2, kDff, kD}, at::kBFloat16)}},
+       "state 'layer0.w1': dtype BFloat16 does not match the parameter's Float"},
+      {"unknown name",
+       {{"layer0.b1", new_b1}, {"layer2.w1", at::zeros({2, kDff, kD})}},
+       "state: unknown tensor name 'layer2.w1'"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    v1::SetStateResponse response;
+    const grpc::Status status = SetState(ChunksOf(c.tensors, 100), &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(), HasSubstr(c.message));
+  }
+  // A broken stream: the last chunk of a tensor is missing.
+  std::vector<v1::StateChunk> chunks = ChunksOf({{"layer0.b1", new_b1}}, 100);
+  chunks.pop_back();
+  v1::SetStateResponse response;
+  const grpc::Status truncated = SetState(chunks, &response);
+  EXPECT_EQ(truncated.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(truncated.error_message(),
+              HasSubstr("state stream ended with 'layer0.b1' incomplete (200 of 256 bytes)"));
+
+  auto state = server_->core()->GetState();
+  ASSERT_TRUE(state.ok());
+  EXPECT_EQ((*state)[1].first, "layer0.b1");
+  EXPECT_TRUE(at::equal((*state)[1].second, LocalGroup(0)->parameters()[1].detach()));
+}
+
+TEST_F(ExpertServiceTest, HealthCheckReportsServing) {
+  grpc::GenericStub generic(channel_);
+  // grpc.health.v1.HealthCheckRequest{service}: field 1, length-delimited.
+  const auto check = [&](const std::string& service, std::string* reply) {
+    std::string request_bytes;
+    if (!service.empty()) {
+      request_bytes = std::string("\x0a", 1) + static_cast<char>(service.size()) + service;
+    }
+    grpc::Slice slice(request_bytes);
+    grpc::ByteBuffer request(&slice, 1);
+    grpc::ByteBuffer response;
+    grpc::ClientContext context;
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(),
+                      &request, &response,
+                      [&done](grpc::Status s) { done.set_value(std::move(s)); });
+    const grpc::Status status = done.get_future().get();
+    if (status.ok()) *reply = BytesOf(&response);
+    return status;
+  };
+  // HealthCheckResponse{status: SERVING (1)} is the two bytes 08 01.
+  std::string reply;
+  ASSERT_TRUE(check("", &reply).ok());
+  EXPECT_EQ(reply, std::string("\x08\x01", 2));
+  ASSERT_TRUE(check("himoe.v1.ExpertService", &reply).ok());
+  EXPECT_EQ(reply, std::string("\x08\x01", 2));
+  EXPECT_EQ(check("no.such.Service", &reply).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// One request/response exchange on the reflection service's bidi stream.
+class ReflectionCall final
+    : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  ReflectionCall(grpc::GenericStub* stub, const std::string& request_bytes) {
+    grpc::Slice slice(request_bytes);
+    request_ = grpc::ByteBuffer(&slice, 1);
+    stub->PrepareBidiStreamingCall(
+        &context_, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        grpc::StubOptions(), this);
+    StartWriteLast(&request_, grpc::WriteOptions());
+    StartRead(&response_);
+    StartCall();
+  }
+  void OnReadDone(bool ok) override {
+    if (ok) reply_ = BytesOf(&response_);
+  }
+  void OnDone(const grpc::Status& status) override { done_.set_value(status); }
+
+  grpc::Status Await() { return done_.get_future().get(); }
+  const std::string& reply() const { return reply_; }
+
+ private:
+  grpc::ClientContext context_;
+  grpc::ByteBuffer request_;
+  grpc::ByteBuffer response_;
+  std::string reply_;
+  std::promise<grpc::Status> done_;
+};
+
+TEST_F(ExpertServiceTest, ReflectionListsTheServices) {
+  grpc::GenericStub generic(channel_);
+  // ServerReflectionRequest{list_services: ""}: field 7, empty string.
+  ReflectionCall call(&generic, std::string("\x3a\x00", 2));
+  const grpc::Status status = call.Await();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_THAT(call.reply(), HasSubstr("himoe.v1.ExpertService"));
+  EXPECT_THAT(call.reply(), HasSubstr("grpc.health.v1.Health"));
+}
+
+TEST(ExpertServiceCoreTest, Bf16GroupAnswersInTheRequestDtype) {
+  auto core = ExpertServiceCore::Create(CoreOptions(kSeed, c10::kBFloat16));
+  ASSERT_TRUE(core.ok()) << core.status();
+  EXPECT_EQ((*core)->Info().dtype, c10::kBFloat16);
+  const at::Tensor rows = at::randn({5, kD});
+  v1::ExpertForwardResponse response;
+  ASSERT_TRUE((*core)->Forward(MakeRequest(0, {{3, rows}}), &response).ok());
+  EXPECT_EQ(response.outputs(0).rows().dtype(), v1::DTYPE_FLOAT32);
+  const at::Tensor want = LocalForward(*LocalGroup(0), 3, rows);
+  const at::Tensor got = Decode(response.outputs(0).rows());
+  EXPECT_LE(MaxAbsDiff(got, want), 2e-2 * (1 + want.abs().max().item<double>()));
+}
+
+TEST(ExpertServiceCoreTest, RejectsBadOptions) {
+  ExpertServiceOptions o = CoreOptions();
+  o.num_experts = 7;
+  EXPECT_THAT(std::string(ExpertServiceCore::Create(o).status().message()),
+              HasSubstr("num_experts: 7 must be a positive multiple of num_groups (4)"));
+  o = CoreOptions();
+  o.group_id = 4;
+  EXPECT_THAT(std::string(ExpertServiceCore::Create(o).status().message()),
+              HasSubstr("group_id: 4 is outside [0, 4)"));
+  o = CoreOptions();
+  o.dtype = c10::kHalf;
+  EXPECT_EQ(ExpertServiceCore::Create(o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(StateChunkTest, AssemblerRejectsMalformedStreams) {
+  const at::Tensor t = at::arange(50, at::kFloat);  // 200 bytes
+  const std::vector<v1::StateChunk> chunks = ChunksOf({{"a", t}, {"b", t}}, 64);
+  ASSERT_EQ(chunks.size(), 8u);  // 64+64+64+8 per tensor
+  const auto run = [](const std::vector<v1::StateChunk>& stream) -> absl::Status {
+    StateAssembler assembler;
+    for (const auto& c : stream) {
+      absl::Status s = assembler.Add(c);
+      if (!s.ok()) return s;
+    }
+    return assembler.Finish().status();
+  };
+  EXPECT_TRUE(run(chunks).ok());
+
+  std::vector<v1::StateChunk> s = chunks;
+  std::swap(s[1], s[2]);
+  EXPECT_THAT(std::string(run(s).message()), HasSubstr("offset 128; expected 64"));
+  s = chunks;
+  s[3].set_last(false);
+  EXPECT_THAT(std::string(run(s).message()), HasSubstr("not marked last"));
+  s = chunks;
+  s[1].set_last(true);
+  EXPECT_THAT(std::string(run(s).message()), HasSubstr("marked last at 128 of 200 bytes"));
+  s = chunks;
+  s[3].mutable_data()->append("xyz");
+  EXPECT_THAT(std::string(run(s).message()), HasSubstr("run past the tensor's 200 bytes"));
+  s = chunks;
+  s.erase(s.begin() + 3);
+  EXPECT_THAT(std::string(run(s).message()), HasSubstr("arrived before 'a' was complete"));
+  s = chunks;
+  s[5].set_name("a");
+  s[4].set_name("a");
+  s[6].set_name("a");
+  s[7].set_name("a");
+  EXPECT_THAT(std::string(run(s).message()), HasSubstr("'a': the tensor was already received"));
+  s = chunks;
+  s[2].add_shape(1);
+  EXPECT_THAT(std::string(run(s).message()), HasSubstr("dtype or shape differ"));
+  s = chunks;
+  s[0].set_dtype(static_cast<v1::DType>(42));
+  EXPECT_THAT(std::string(run(s).message()), HasSubstr("unknown or unspecified value 42"));
+  s = {chunks[0]};
+  EXPECT_THAT(std::string(run(s).message()), HasSubstr("ended with 'a' incomplete"));
+
+  // An empty tensor is one empty chunk marked last.
+  const auto empty = ChunksOf({{"e", at::empty({0, 3})}}, 64);
+  ASSERT_EQ(empty.size(), 1u);
+  EXPECT_TRUE(empty[0].last());
+  EXPECT_TRUE(run(empty).ok());
+}
+
+TEST(StateFileTest, SaveAndLoadRoundTrip) {
+  const std::string path = ::testing::TempDir() + "/expert_state_" +
+                           std::to_string(getpid()) + ".bin";
+  auto source = ExpertServiceCore::Create(CoreOptions(/*seed=*/7));
+  auto target = ExpertServiceCore::Create(CoreOptions());
+  ASSERT_TRUE(source.ok() && target.ok());
+  absl::Status saved = SaveStateToFile(**source, path, 100);
+  ASSERT_TRUE(saved.ok()) << saved;
+  absl::Status loaded = LoadStateFromFile(path, target->get());
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  auto a = (*source)->GetState();
+  auto b = (*target)->GetState();
+  ASSERT_TRUE(a.ok() && b.ok());
+  for (size_t i = 0; i < a->size(); ++i) {
+    EXPECT_TRUE(at::equal((*a)[i].second, (*b)[i].second)) << (*a)[i].first;
+  }
+  // A truncated file is refused.
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size() - 5));
+  }
+  EXPECT_EQ(LoadStateFromFile(path, target->get()).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(LoadStateFromFile(path + ".missing", target->get()).code(),
+            absl::StatusCode::kNotFound);
+  std::remove(path.c_str());
+}
+
+// --- The real binary ----------------------------------------------------------
+
+// Kills and reaps the child in every path out of the test.
+class ChildProcess {
+ public:
+  ~ChildProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  bool Spawn(const std::vector<std::string>& args) {
+    std::vector<char*> argv;
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    return posix_spawn(&pid_, argv[0], nullptr, nullptr, argv.data(), environ) == 0;
+  }
+  // Reaps the child if it has exited; returns its wait status.
+  std::optional<int> TryWait() {
+    int status = 0;
+    if (pid_ > 0 && waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return status;
+    }
+    return std::nullopt;
+  }
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+TEST(ExpertBinaryTest, ServesUntilSigterm) {
+  const std::string dir = ::testing::TempDir();
+  const std::string tag = std::to_string(getpid());
+  const std::string port_file = dir + "/expert_port_" + tag;
+  const std::string state_file = dir + "/expert_bin_state_" + tag + ".bin";
+  std::remove(port_file.c_str());
+  auto seeded = ExpertServiceCore::Create(CoreOptions(/*seed=*/7));
+  ASSERT_TRUE(seeded.ok());
+  ASSERT_TRUE(SaveStateToFile(**seeded, state_file, 1000).ok());
+
+  ChildProcess child;
+  ASSERT_TRUE(child.Spawn({HIMOE_EXPERT_BINARY, "--address=127.0.0.1", "--port=0",
+                           "--port_file=" + port_file, "--group_id=1", "--num_groups=4",
+                           "--num_experts=8", "--num_layers=2", "--d_model=16",
+                           "--d_ff=32", "--seed=42", "--threads=1",
+                           "--state_file=" + state_file}));
+  // Generous bound so a hung child fails the test instead of hanging it.
+  int port = 0;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (port == 0 && std::chrono::steady_clock::now() < give_up) {
+    std::ifstream in(port_file);
+    if (!(in >> port)) port = 0;
+    if (port == 0) {
+      if (auto exited = child.TryWait()) FAIL() << "himoe-expert exited early: " << *exited;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  ASSERT_GT(port, 0) << "no port file from himoe-expert";
+
+  auto stub = v1::ExpertService::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext context;
+    v1::ExpertInfoResponse info;
+    const grpc::Status status = stub->Info(&context, v1::ExpertInfoRequest(), &info);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(info.group_id(), 1);
+    EXPECT_THAT(info.expert_ids(), ElementsAre(2, 3));
+    EXPECT_THAT(info.layers(), ElementsAre(0, 1));
+  }
+  {
+    // The state file (seed 7) replaced the seed-42 weights.
+    const at::Tensor rows = at::randn({3, kD});
+    grpc::ClientContext context;
+    v1::ExpertForwardResponse response;
+    ASSERT_TRUE(stub->Forward(&context, MakeRequest(0, {{3, rows}}), &response).ok());
+    EXPECT_LE(MaxAbsDiff(Decode(response.outputs(0).rows()),
+                         LocalForward(*LocalGroup(0, 7), 3, rows)),
+              1e-6);
+  }
+
+  // An idle client channel only notices the server's GOAWAY on its next poll
+  // (up to 5 s), which is as long as a graceful shutdown then waits: close it.
+  stub.reset();
+  ASSERT_EQ(kill(child.pid(), SIGTERM), 0);
+  std::optional<int> exited;
+  while (!exited && std::chrono::steady_clock::now() < give_up + std::chrono::seconds(60)) {
+    exited = child.TryWait();
+    if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(exited.has_value()) << "himoe-expert did not exit after SIGTERM";
+  EXPECT_TRUE(WIFEXITED(*exited)) << "wait status " << *exited;
+  EXPECT_EQ(WEXITSTATUS(*exited), 0);
+  std::remove(port_file.c_str());
+  std::remove(state_file.c_str());
+}
+
+}  // namespace
+}  // namespace himoe::expert

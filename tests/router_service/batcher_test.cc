@@ -1,0 +1,92 @@
+#include "router_service/batcher.h"
+
+#include <condition_variable>
+#include <mutex>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+namespace himoe::router {
+namespace {
+
+// Requests queued while a batch computes are merged into the next batch and
+// each gets exactly its own rows back; layers are never mixed.
+TEST(BatcherTest, MergesQueuedRequestsOfTheSameLayerAndSplitsResults) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  std::vector<std::pair<int, int64_t>> computed;  // (layer, rows)
+  BatcherOptions options;
+  options.max_batch_tokens = 100;
+  options.max_queue_delay = std::chrono::microseconds(0);
+  auto batcher = std::make_unique<Batcher>(
+      options, [&](int layer, const at::Tensor& x) -> absl::StatusOr<LayerResult> {
+        std::unique_lock<std::mutex> lock(mu);
+        computed.push_back({layer, x.size(0)});
+        cv.notify_all();
+        cv.wait(lock, [&] { return release; });
+        // Output = input * (layer + 2); ids = row index within the batch.
+        return LayerResult{x * (layer + 2), at::arange(x.size(0)).unsqueeze(1),
+                           at::ones({x.size(0), 1})};
+      });
+  std::vector<absl::StatusOr<LayerResult>> results(6, absl::UnknownError("unset"));
+  std::vector<at::Tensor> inputs;
+  const int layers[] = {0, 0, 0, 1, 0, 0};
+  const int64_t rows[] = {4, 10, 20, 7, 60, 30};
+  for (int i = 0; i < 6; ++i) inputs.push_back(at::randn({rows[i], 3}));
+  batcher->Submit(layers[0], inputs[0], [&](auto r) { results[0] = std::move(r); });
+  {  // wait until the first batch is computing, then queue the rest
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(30), [&] { return !computed.empty(); });
+  }
+  for (int i = 1; i < 6; ++i) {
+    batcher->Submit(layers[i], inputs[i], [&, i](auto r) { results[i] = std::move(r); });
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  batcher.reset();  // drains the queue
+  // Batches: {0}; layer 0 {1,2,4} (10+20+60 = 90 <= 100; 30 more would not fit);
+  // then layer-1 request 3 or the rest of layer 0, in arrival order of the head.
+  ASSERT_EQ(computed.size(), 4u);
+  EXPECT_EQ(computed[0], (std::pair<int, int64_t>{0, 4}));
+  EXPECT_EQ(computed[1], (std::pair<int, int64_t>{0, 90}));
+  EXPECT_EQ(computed[2], (std::pair<int, int64_t>{1, 7}));
+  EXPECT_EQ(computed[3], (std::pair<int, int64_t>{0, 30}));
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_TRUE(results[i].ok()) << i;
+    EXPECT_TRUE(at::allclose(results[i]->output, inputs[i] * (layers[i] + 2))) << i;
+    EXPECT_EQ(results[i]->output.size(0), rows[i]);
+  }
+  // Request 4 sat at rows [30, 90) of its batch.
+  EXPECT_EQ(results[4]->expert_ids[0][0].item<int64_t>(), 30);
+}
+
+TEST(BatcherTest, ErrorsReachEveryCallerOfTheBatch) {
+  BatcherOptions options;
+  Batcher batcher(options, [](int, const at::Tensor&) -> absl::StatusOr<LayerResult> {
+    return absl::UnavailableError("expert group 1 unreachable");
+  });
+  std::mutex mu;
+  std::condition_variable cv;
+  int done = 0;
+  absl::Status last;
+  for (int i = 0; i < 3; ++i) {
+    batcher.Submit(0, at::randn({2, 3}), [&](auto r) {
+      std::lock_guard<std::mutex> lock(mu);
+      last = r.status();
+      ++done;
+      cv.notify_all();
+    });
+  }
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait_for(lock, std::chrono::seconds(30), [&] { return done == 3; });
+  EXPECT_EQ(done, 3);
+  EXPECT_EQ(last.code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace himoe::router

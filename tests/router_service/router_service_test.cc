@@ -1,0 +1,365 @@
+// The router over real gRPC on 127.0.0.1 in front of 4 in-process expert
+// services, checked against LocalMoE on the same weights and inputs.
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <prometheus/exposer.h>
+#include <prometheus/registry.h>
+
+#include "common/tensor_codec.h"
+#include "expert_service/expert_grpc_service.h"
+#include "proto/grpc_status.h"
+#include "router_service/local_moe.h"
+#include "router_service/router_grpc_service.h"
+#include "tests/http_get.h"
+#include "tests/router_service/routing_test_util.h"
+
+namespace himoe::router {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kN = 8, kM = 4, kK = 1, kLayers = 2;
+constexpr int64_t kD = 32, kDff = 64;
+constexpr uint64_t kSeed = 7;
+
+std::unique_ptr<expert::ExpertServer> StartExpert(int group,
+                                                  const std::string& address = "127.0.0.1:0") {
+  expert::ExpertServerOptions o;
+  o.address = address;
+  o.core.group_id = group;
+  o.core.num_groups = kM;
+  o.core.num_experts = kN;
+  o.core.num_layers = kLayers;
+  o.core.d_model = kD;
+  o.core.d_ff = kDff;
+  o.core.seed = kSeed;
+  auto server = expert::ExpertServer::Start(o);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? std::move(server).value() : nullptr;
+}
+
+std::string Loopback(int port) { return "127.0.0.1:" + std::to_string(port); }
+
+class RouterServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (int g = 0; g < kM; ++g) experts_.push_back(StartExpert(g));
+  }
+
+  RouterServerOptions Options(RoutingMethod method) {
+    RouterServerOptions o;
+    o.moe.routing = testing::Config(method, kN, kM, kK);
+    o.moe.d_model = kD;
+    o.moe.num_layers = kLayers;
+    o.moe.seed = kSeed;
+    for (int g = 0; g < kM; ++g) {
+      GroupClientOptions go;
+      go.addresses = {Loopback(experts_[g]->port())};
+      go.deadline = std::chrono::milliseconds(5000);
+      o.moe.groups.push_back(go);
+    }
+    o.max_tokens_per_request = 512;
+    return o;
+  }
+
+  void StartRouter(const RouterServerOptions& o) {
+    auto router = RouterServer::Start(o);
+    ASSERT_TRUE(router.ok()) << router.status();
+    router_ = std::move(router).value();
+    stub_ = v1::RouterService::NewStub(
+        grpc::CreateChannel(Loopback(router_->port()), grpc::InsecureChannelCredentials()));
+  }
+
+  absl::StatusOr<v1::RouteForwardResponse> Call(const v1::RouteForwardRequest& request) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::RouteForwardResponse response;
+    const absl::Status s = FromGrpcStatus(stub_->RouteForward(&context, request, &response));
+    if (!s.ok()) return s;
+    return response;
+  }
+
+  absl::StatusOr<v1::RouteForwardResponse> Route(int layer, const at::Tensor& x,
+                                                 bool routing = false) {
+    v1::RouteForwardRequest request;
+    request.set_layer(layer);
+    request.set_return_routing(routing);
+    EXPECT_TRUE(EncodeTensor(x, request.mutable_hidden()).ok());
+    return Call(request);
+  }
+
+  // LocalMoE of layer `layer` with the router's routing config.
+  MoEOutput Reference(const RoutingConfig& routing, int layer, const at::Tensor& x) {
+    LocalMoEOptions o;
+    o.routing = routing;
+    o.d_model = kD;
+    o.d_ff = kDff;
+    o.layer = layer;
+    o.seed = kSeed;
+    auto moe = LocalMoE::Create(o);
+    EXPECT_TRUE(moe.ok()) << moe.status();
+    at::NoGradGuard no_grad;
+    auto out = (*moe)->Forward(x, /*training=*/false);
+    EXPECT_TRUE(out.ok()) << out.status();
+    return std::move(out).value();
+  }
+
+  static at::Tensor Output(const v1::RouteForwardResponse& r) {
+    auto y = DecodeTensor(r.output(), "output");
+    EXPECT_TRUE(y.ok()) << y.status();
+    return y.ok() ? *y : at::Tensor();
+  }
+
+  std::vector<std::unique_ptr<expert::ExpertServer>> experts_;
+  std::unique_ptr<RouterServer> router_;
+  std::unique_ptr<v1::RouterService::Stub> stub_;
+};
+
+double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>();
+}
+
+class RouterEqualityTest : public RouterServiceTest,
+                           public ::testing::WithParamInterface<RoutingMethod> {};
+
+TEST_P(RouterEqualityTest, MatchesLocalMoEForEveryLayer) {
+  StartRouter(Options(GetParam()));
+  at::manual_seed(1);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    const at::Tensor x = at::randn({64, kD});
+    auto got = Route(layer, x, /*routing=*/true);
+    ASSERT_TRUE(got.ok()) << got.status();
+    const MoEOutput want = Reference(Options(GetParam()).moe.routing, layer, x);
+    EXPECT_LE(MaxAbsDiff(Output(*got), want.output), 1e-5) << "layer " << layer;
+    EXPECT_GT(want.output.abs().max().item<double>(), 0.0);
+    auto ids = DecodeTensor(got->expert_ids(), "expert_ids");
+    auto weights = DecodeTensor(got->weights(), "weights");
+    ASSERT_TRUE(ids.ok() && weights.ok());
+    EXPECT_TRUE(at::equal(*ids, want.routing.expert_ids));
+    EXPECT_LE(MaxAbsDiff(*weights, want.routing.weights), 1e-6);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, RouterEqualityTest,
+                         ::testing::ValuesIn(testing::kAllMethods), testing::MethodParamName);
+
+TEST_F(RouterServiceTest, ChunkedDispatchMatchesLocalMoE) {
+  RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+  o.moe.chunk_bytes = 10 * kD * 4;  // 10 rows per message: many messages per group
+  StartRouter(o);
+  const at::Tensor x = at::randn({200, kD});
+  auto got = Route(1, x);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_LE(MaxAbsDiff(Output(*got), Reference(o.moe.routing, 1, x).output), 1e-5);
+}
+
+TEST_F(RouterServiceTest, Bf16OnTheWireWithinDocumentedTolerance) {
+  RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+  o.moe.wire_dtype = at::kBFloat16;
+  StartRouter(o);
+  const at::Tensor x = at::randn({64, kD});
+  auto got = Route(0, x.to(at::kBFloat16));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->output().dtype(), v1::DTYPE_BFLOAT16);  // answered in the request dtype
+  const at::Tensor want = Reference(o.moe.routing, 0, x.to(at::kBFloat16).to(at::kFloat)).output;
+  // bf16 rows and outputs on the wire (8-bit mantissa): <= 2e-2 relative (README).
+  const double rel = ((Output(*got).to(at::kFloat) - want).norm() / want.norm()).item<double>();
+  EXPECT_LT(rel, 2e-2);
+}
+
+TEST_F(RouterServiceTest, ConcurrentClientsEachGetTheirOwnRows) {
+  RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+  o.batching.max_queue_delay = std::chrono::milliseconds(20);
+  StartRouter(o);
+  constexpr int kClients = 12;
+  std::vector<at::Tensor> inputs, outputs(kClients);
+  for (int c = 0; c < kClients; ++c) inputs.push_back(at::randn({3 + 5 * c, kD}));
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      auto r = Route(0, inputs[c]);
+      if (!r.ok()) {
+        ++failures;
+        return;
+      }
+      outputs[c] = Output(*r);
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_EQ(failures.load(), 0);
+  for (int c = 0; c < kClients; ++c) {
+    EXPECT_LE(MaxAbsDiff(outputs[c], Reference(o.moe.routing, 0, inputs[c]).output), 1e-5)
+        << "client " << c;
+  }
+}
+
+struct BadInput {
+  const char* name;
+  std::function<void(v1::RouteForwardRequest&)> mutate;
+  const char* message;
+};
+
+TEST_F(RouterServiceTest, BadInputIsInvalidArgumentAndServerKeepsServing) {
+  StartRouter(Options(RoutingMethod::kHiMoe));
+  const BadInput cases[] = {
+      {"wrong d", [](auto& r) { EncodeTensor(at::randn({4, kD + 1}), r.mutable_hidden()).IgnoreError(); },
+       "hidden.shape: expected [T, d_model=32], got [4, 33]"},
+      {"unknown dtype", [](auto& r) { r.mutable_hidden()->set_dtype(static_cast<v1::DType>(42)); },
+       "hidden.dtype: unknown or unspecified value 42"},
+      {"int dtype", [](auto& r) { EncodeTensor(at::ones({4, kD}, at::kLong), r.mutable_hidden()).IgnoreError(); },
+       "hidden.dtype: expected FLOAT32 or BFLOAT16"},
+      {"byte length", [](auto& r) { r.mutable_hidden()->mutable_data()->resize(7); },
+       "hidden.data has 7 bytes; shape [4,32] of Float needs 512"},
+      {"NaN", [](auto& r) {
+         at::Tensor x = at::randn({4, kD}); x[2][3] = NAN;
+         EncodeTensor(x, r.mutable_hidden()).IgnoreError(); },
+       "hidden contains NaN or Inf"},
+      {"Inf", [](auto& r) {
+         at::Tensor x = at::randn({4, kD}); x[0][0] = -INFINITY;
+         EncodeTensor(x, r.mutable_hidden()).IgnoreError(); },
+       "hidden contains NaN or Inf"},
+      {"empty batch", [](auto& r) { EncodeTensor(at::zeros({0, kD}), r.mutable_hidden()).IgnoreError(); },
+       "hidden: empty batch (T = 0)"},
+      {"unknown layer", [](auto& r) { r.set_layer(5); }, "layer: 5 is not served; layers are [0, 2)"},
+      {"over token limit", [](auto& r) { EncodeTensor(at::randn({513, kD}), r.mutable_hidden()).IgnoreError(); },
+       "hidden: 513 tokens exceed the limit of 512 per request"},
+  };
+  for (const BadInput& bad : cases) {
+    v1::RouteForwardRequest request;
+    ASSERT_TRUE(EncodeTensor(at::randn({4, kD}), request.mutable_hidden()).ok());
+    bad.mutate(request);
+    auto r = Call(request);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad.name;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(bad.message)) << bad.name;
+    // Still serving, correctly.
+    const at::Tensor x = at::randn({5, kD});
+    auto good = Route(0, x);
+    ASSERT_TRUE(good.ok()) << bad.name << ": " << good.status();
+    EXPECT_LE(MaxAbsDiff(Output(*good), Reference(Options(RoutingMethod::kHiMoe).moe.routing, 0, x).output), 1e-5);
+  }
+}
+
+TEST_F(RouterServiceTest, DeadGroupIsUnavailableNamingItThenRecovers) {
+  StartRouter(Options(RoutingMethod::kHiMoe));
+  const at::Tensor x = at::randn({32, kD});  // himoe: every group gets rows
+  ASSERT_TRUE(Route(0, x).ok());
+  const int port = experts_[2]->port();
+  experts_[2].reset();  // kill group 2
+  auto down = Route(0, x);
+  EXPECT_EQ(down.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(down.status().message()), HasSubstr("expert group 2"));
+  EXPECT_THAT(std::string(down.status().message()), HasSubstr(Loopback(port)));
+  // The group comes back on the same address; the router reconnects by itself.
+  experts_[2] = StartExpert(2, Loopback(port));
+  ASSERT_NE(experts_[2], nullptr);
+  absl::StatusOr<v1::RouteForwardResponse> up = down.status();
+  for (int attempt = 0; attempt < 100 && !up.ok(); ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    up = Route(0, x);
+  }
+  ASSERT_TRUE(up.ok()) << up.status();
+  EXPECT_LE(MaxAbsDiff(Output(*up), Reference(Options(RoutingMethod::kHiMoe).moe.routing, 0, x).output), 1e-5);
+}
+
+TEST_F(RouterServiceTest, FailsOverToReplica) {
+  RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+  auto replica = StartExpert(1);
+  const int dead_port = experts_[1]->port();
+  experts_[1].reset();
+  o.moe.groups[1].addresses = {Loopback(dead_port), Loopback(replica->port())};
+  StartRouter(o);
+  const at::Tensor x = at::randn({32, kD});
+  auto got = Route(0, x);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_LE(MaxAbsDiff(Output(*got), Reference(o.moe.routing, 0, x).output), 1e-5);
+}
+
+// An expert service that never answers in time.
+class StallingExpert final : public v1::ExpertService::CallbackService {
+ public:
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
+                                    const v1::ExpertForwardRequest*,
+                                    v1::ExpertForwardResponse*) override {
+    auto* reactor = context->DefaultReactor();
+    std::thread([reactor] {
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+      reactor->Finish(grpc::Status::OK);
+    }).detach();
+    return reactor;
+  }
+};
+
+TEST_F(RouterServiceTest, SlowGroupIsDeadlineExceededNamingIt) {
+  StallingExpert stalling;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&stalling);
+  auto server = builder.BuildAndStart();
+  RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+  o.moe.groups[3].addresses = {Loopback(port)};
+  o.moe.groups[3].deadline = std::chrono::milliseconds(200);
+  StartRouter(o);
+  auto r = Route(0, at::randn({16, kD}));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("expert group 3"));
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr(Loopback(port)));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
+}
+
+TEST_F(RouterServiceTest, MetricsCountAssignmentsAndExportTheCoreCv) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  prometheus::Exposer exposer("127.0.0.1:0");
+  exposer.RegisterCollectable(registry);
+  RouterServerOptions o = Options(RoutingMethod::kVanilla);  // flat: uneven groups
+  o.registry = registry.get();
+  StartRouter(o);
+  const at::Tensor x = at::randn({40, kD});
+  ASSERT_TRUE(Route(1, x).ok());
+  const MoEOutput want = Reference(o.moe.routing, 1, x);
+  auto body = testutil::HttpGet(
+      "http://127.0.0.1:" + std::to_string(exposer.GetListeningPorts().front()) + "/metrics");
+  ASSERT_TRUE(body.ok()) << body.status();
+  double total = 0;
+  for (int e = 0; e < kN; ++e) {
+    const std::string labels = "expert=\"" + std::to_string(e) + "\",group=\"" +
+                               std::to_string(e / 2) + "\",layer=\"1\"";
+    auto v = testutil::ScrapeValue(*body, "himoe_router_tokens_total", labels);
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_EQ(*v, want.routing.stats.expert_counts[e]) << "expert " << e;
+    total += *v;
+  }
+  EXPECT_EQ(total, 40.0 * o.moe.routing.total_k());
+  auto cv = testutil::ScrapeValue(*body, "himoe_router_expert_cv", "layer=\"1\"");
+  ASSERT_TRUE(cv.ok());
+  EXPECT_NEAR(*cv, want.routing.stats.expert_cv, 1e-9);
+  EXPECT_GT(*cv, 0.0);
+  auto gcv = testutil::ScrapeValue(*body, "himoe_router_group_cv", "layer=\"1\"");
+  ASSERT_TRUE(gcv.ok());
+  EXPECT_NEAR(*gcv, want.routing.stats.group_cv, 1e-9);
+  auto gpt = testutil::ScrapeValue(*body, "himoe_router_groups_per_token", "layer=\"1\"");
+  ASSERT_TRUE(gpt.ok());
+  EXPECT_NEAR(*gpt, want.routing.stats.groups_per_token, 1e-9);
+  auto requests = testutil::ScrapeValue(*body, "himoe_router_request_duration_seconds_count", "");
+  ASSERT_TRUE(requests.ok());
+  EXPECT_EQ(*requests, 1.0);
+  // A rejected request is counted by code.
+  ASSERT_FALSE(Route(9, x).ok());
+  body = testutil::HttpGet(
+      "http://127.0.0.1:" + std::to_string(exposer.GetListeningPorts().front()) + "/metrics");
+  auto errors = testutil::ScrapeValue(*body, "himoe_router_errors_total", "code=\"INVALID_ARGUMENT\"");
+  ASSERT_TRUE(errors.ok()) << errors.status();
+  EXPECT_EQ(*errors, 1.0);
+}
+
+}  // namespace
+}  // namespace himoe::router
