@@ -1,8 +1,11 @@
 #include "common/torch_runtime.h"
 
+#include <dlfcn.h>
 #include <sched.h>
 
+#include <cstdlib>
 #include <exception>
+#include <string>
 #include <thread>
 
 #include <ATen/Context.h>
@@ -25,6 +28,15 @@ int DefaultThreadCount() {
 
 absl::Status ConfigureTorchThreads(int threads) {
   if (threads <= 0) threads = DefaultThreadCount();
+  // LibTorch hands whole matmuls to the system BLAS, whose own thread pool
+  // at::set_num_threads does not reach. BLIS (1 thread by default) reads
+  // BLIS_NUM_THREADS when it initializes on its first call, so this must run
+  // before any matmul; a value the user set is kept.
+  setenv("BLIS_NUM_THREADS", std::to_string(threads).c_str(), /*overwrite=*/0);
+  using SetOpenBlas = void (*)(int);
+  if (auto set = reinterpret_cast<SetOpenBlas>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    set(threads);
+  }
   return CatchTorchErrors([&] {
     at::set_num_threads(threads);
     return absl::OkStatus();

@@ -11,12 +11,15 @@
 
 namespace himoe {
 
-// Sets torch's intra-op thread count; `threads` <= 0 means "all cores".
-// LibTorch defaults to 1 thread on this platform, so every program calls this.
+// Sets torch's intra-op thread count and the BLAS's (BLIS_NUM_THREADS unless
+// already set; OpenBLAS through its API when loaded); `threads` <= 0 means
+// "all cores". Both default to 1 thread here, so every program calls this
+// first, before any matmul.
 absl::Status ConfigureTorchThreads(int threads);
 
 // Number of CPU cores available to this process.
 int DefaultThreadCount();
+
 
 // Parses "cpu" or "cuda:K"; CUDA devices are refused when LibTorch has no CUDA.
 absl::StatusOr<c10::Device> ParseDevice(absl::string_view spec);

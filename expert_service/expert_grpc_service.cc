@@ -154,6 +154,14 @@ grpc::ServerUnaryReactor* ExpertGrpcService::Step(grpc::CallbackServerContext* c
   return reactor;
 }
 
+grpc::ServerUnaryReactor* ExpertGrpcService::Abort(grpc::CallbackServerContext* context,
+                                                   const v1::ExpertAbortRequest* request,
+                                                   v1::ExpertAbortResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(core_->Abort(*request, response)));
+  return reactor;
+}
+
 grpc::ServerWriteReactor<v1::StateChunk>* ExpertGrpcService::GetState(
     grpc::CallbackServerContext*, const v1::GetStateRequest* request) {
   return new GetStateReactor(*core_, *request, max_chunk_bytes_);

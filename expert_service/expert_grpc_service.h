@@ -34,6 +34,9 @@ class ExpertGrpcService final : public v1::ExpertService::CallbackService {
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
                                  const v1::ExpertStepRequest* request,
                                  v1::ExpertStepResponse* response) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
+                                  const v1::ExpertAbortRequest* request,
+                                  v1::ExpertAbortResponse* response) override;
   grpc::ServerWriteReactor<v1::StateChunk>* GetState(
       grpc::CallbackServerContext* context,
       const v1::GetStateRequest* request) override;

@@ -18,7 +18,9 @@
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 #include "expert_service/expert_grpc_service.h"
+#include "expert_service/expert_metrics.h"
 #include "glog/logging.h"
+#include "prometheus/exposer.h"
 
 ABSL_FLAG(std::string, address, "0.0.0.0", "IP address to listen on");
 ABSL_FLAG(int32_t, port, 50051, "port to listen on; 0 picks a free one");
@@ -31,13 +33,18 @@ ABSL_FLAG(int64_t, d_ff, 256, "expert hidden width");
 ABSL_FLAG(uint64_t, seed, 0, "weight seed; must equal the router's");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda:K");
 ABSL_FLAG(std::string, dtype, "float32", "expert weights: float32 or bfloat16");
+ABSL_FLAG(int32_t, metrics_port, -1,
+          "Prometheus /metrics port; 0 picks a free one, -1 disables metrics");
+ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "interface of the metrics endpoint");
 ABSL_FLAG(int32_t, threads, 0, "torch intra-op threads; 0 = all cores");
 ABSL_FLAG(int32_t, max_message_bytes, 64 << 20, "max gRPC message, both ways");
 ABSL_FLAG(int64_t, max_tokens, 65536, "max rows in one Forward request");
+ABSL_FLAG(double, saved_state_ttl_s, 300,
+          "seconds a Forward saved for Backward is kept before it is dropped");
 ABSL_FLAG(std::string, state_file, "",
           "optional length-delimited StateChunk stream to load before serving");
 ABSL_FLAG(std::string, port_file, "",
-          "if set, the bound port is written there once serving");
+          "if set, write \"<grpc port>[ <metrics port>]\" here once serving");
 
 namespace himoe::expert {
 namespace {
@@ -67,11 +74,11 @@ absl::StatusOr<c10::ScalarType> ParseDtype(const std::string& name) {
 }
 
 // Written under a temporary name and renamed, so readers never see a partial file.
-absl::Status WritePortFile(const std::string& path, int port) {
+absl::Status WritePortFile(const std::string& path, const std::string& ports) {
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
-    out << port << "\n";
+    out << ports << "\n";
     out.close();
     if (!out) return absl::UnavailableError(absl::StrCat("cannot write '", tmp, "'"));
   }
@@ -95,6 +102,12 @@ absl::Status Run() {
   ASSIGN_OR_RETURN(core.device, ParseDevice(absl::GetFlag(FLAGS_device)));
   ASSIGN_OR_RETURN(core.dtype, ParseDtype(absl::GetFlag(FLAGS_dtype)));
   core.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens);
+  if (const double ttl = absl::GetFlag(FLAGS_saved_state_ttl_s); ttl >= 0) {
+    core.saved_state_ttl = absl::Seconds(ttl);
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--saved_state_ttl_s: ", ttl, "; expected >= 0"));
+  }
   const int port = absl::GetFlag(FLAGS_port);
   if (port < 0 || port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("--port: ", port, " is out of range"));
@@ -116,8 +129,25 @@ absl::Status Run() {
             << ", d_ff " << info.d_ff << ", " << c10::toString(info.dtype) << " on "
             << info.device << (options.state_file.empty() ? "" : ", state from ")
             << options.state_file << "; serving on " << server->address();
+  // Metrics: a scrape reads the core's counters; civetweb threads run beside torch's.
+  std::unique_ptr<prometheus::Exposer> exposer;
+  std::shared_ptr<ExpertMetrics> metrics;
+  std::string ports = std::to_string(server->port());
+  if (const int metrics_port = absl::GetFlag(FLAGS_metrics_port); metrics_port >= 0) {
+    try {
+      exposer = std::make_unique<prometheus::Exposer>(
+          absl::StrCat(absl::GetFlag(FLAGS_metrics_address), ":", metrics_port));
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(
+          absl::StrCat("--metrics_port ", metrics_port, ": cannot listen: ", e.what()));
+    }
+    metrics = std::make_shared<ExpertMetrics>(server->core());
+    exposer->RegisterCollectable(metrics);
+    absl::StrAppend(&ports, " ", exposer->GetListeningPorts().front());
+    LOG(INFO) << "metrics on port " << exposer->GetListeningPorts().front();
+  }
   if (const std::string port_file = absl::GetFlag(FLAGS_port_file); !port_file.empty()) {
-    RETURN_IF_ERROR(WritePortFile(port_file, server->port()));
+    RETURN_IF_ERROR(WritePortFile(port_file, ports));
   }
 
   std::atomic<bool> stopped{false};

@@ -1,10 +1,13 @@
 #include "expert_service/expert_service_core.h"
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <mutex>
+#include <tuple>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <google/protobuf/io/zero_copy_stream_impl.h>
 #include <google/protobuf/util/delimited_message_util.h>
@@ -74,6 +77,10 @@ absl::StatusOr<std::unique_ptr<ExpertServiceCore>> ExpertServiceCore::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "max_tokens_per_request: ", o.max_tokens_per_request, "; expected >= 1"));
   }
+  if (o.saved_state_ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "saved_state_ttl: ", absl::FormatDuration(o.saved_state_ttl), "; expected >= 0"));
+  }
   std::unique_ptr<ExpertServiceCore> core(new ExpertServiceCore(o));
   const int s = core->experts_per_group_;
   for (int layer = 0; layer < o.num_layers; ++layer) {
@@ -93,6 +100,9 @@ absl::StatusOr<std::unique_ptr<ExpertServiceCore>> ExpertServiceCore::Create(
     }
     core->groups_.push_back(std::move(group));
   }
+  std::vector<ExpertGroup*> groups;
+  for (const auto& g : core->groups_) groups.push_back(g.get());
+  ASSIGN_OR_RETURN(core->optimizer_, ExpertOptimizer::Create(std::move(groups)));
   core->tokens_.reset(new std::atomic<int64_t>[o.num_layers * s]);
   for (int i = 0; i < o.num_layers * s; ++i) core->tokens_[i] = 0;
   return core;
@@ -104,6 +114,7 @@ const ExpertGroup* ExpertServiceCore::group(int layer) const {
 }
 
 ExpertServiceInfo ExpertServiceCore::Info() const {
+  SweepExpiredSaved();
   ExpertServiceInfo info;
   info.group_id = options_.group_id;
   info.num_groups = options_.num_groups;
@@ -115,6 +126,8 @@ ExpertServiceInfo ExpertServiceCore::Info() const {
   info.dtype = options_.dtype;
   info.device = options_.device.str();
   info.version = kExpertServiceVersion;
+  info.pending_saved = pending_saved();
+  info.last_applied_step = last_applied_step();
   return info;
 }
 
@@ -132,14 +145,54 @@ void ExpertServiceCore::FillInfo(v1::ExpertInfoResponse* response) const {
   response->set_version(info.version);
   response->set_num_experts(info.num_experts);
   response->set_num_groups(info.num_groups);
+  response->set_pending_saved(info.pending_saved);
+  response->set_last_applied_step(info.last_applied_step);
+}
+
+bool ExpertServiceCore::SavedKey::operator<(const SavedKey& o) const {
+  return std::tie(step, micro_batch, layer, request_id) <
+         std::tie(o.step, o.micro_batch, o.layer, o.request_id);
+}
+
+std::string ExpertServiceCore::SavedKey::DebugString() const {
+  return absl::StrCat("(step=", step, ", micro_batch=", micro_batch, ", layer=", layer,
+                      ", request_id=", request_id, ")");
+}
+
+int64_t ExpertServiceCore::pending_saved() const {
+  std::lock_guard<std::mutex> lock(saved_mutex_);
+  return static_cast<int64_t>(saved_.size());
+}
+
+void ExpertServiceCore::SweepExpiredSaved() const {
+  const auto now = std::chrono::steady_clock::now();
+  const auto ttl = absl::ToChronoNanoseconds(options_.saved_state_ttl);
+  std::vector<SavedForward> expired;  // graphs are freed outside the lock
+  {
+    std::lock_guard<std::mutex> lock(saved_mutex_);
+    for (auto it = saved_.begin(); it != saved_.end();) {
+      if (now - it->second.created >= ttl) {
+        expired.push_back(std::move(it->second));
+        it = saved_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  saved_expired_.fetch_add(static_cast<int64_t>(expired.size()), std::memory_order_relaxed);
 }
 
 absl::Status ExpertServiceCore::Forward(const v1::ExpertForwardRequest& request,
                                         v1::ExpertForwardResponse* response) {
   forward_requests_.fetch_add(1, std::memory_order_relaxed);
   in_flight_.fetch_add(1, std::memory_order_relaxed);
+  const auto start = std::chrono::steady_clock::now();
   absl::Status status = ForwardImpl(request, response);
   in_flight_.fetch_sub(1, std::memory_order_relaxed);
+  if (forward_observer_) {
+    forward_observer_(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
   if (!status.ok()) {
     forward_failures_.fetch_add(1, std::memory_order_relaxed);
     response->Clear();
@@ -150,14 +203,10 @@ absl::Status ExpertServiceCore::Forward(const v1::ExpertForwardRequest& request,
 absl::Status ExpertServiceCore::ForwardImpl(const v1::ExpertForwardRequest& request,
                                               v1::ExpertForwardResponse* response) {
   response->Clear();
+  SweepExpiredSaved();
   for (const v1::ExpertRows& in : request.inputs()) {
     bytes_in_.fetch_add(static_cast<int64_t>(in.rows().data().size()),
                         std::memory_order_relaxed);
-  }
-  if (request.save_for_backward()) {
-    return absl::UnimplementedError(
-        "save_for_backward: keeping activations for Backward arrives with the "
-        "trainer; send save_for_backward=false");
   }
   const int layer = request.layer();
   const ExpertGroup* group = this->group(layer);
@@ -226,9 +275,23 @@ absl::Status ExpertServiceCore::ForwardImpl(const v1::ExpertForwardRequest& requ
         "inputs: the request has no rows; expected at least one row");
   }
 
+  const bool save = request.save_for_backward();
+  const SavedKey key{request.step(), request.micro_batch(), layer, request.request_id()};
+  const auto already_saved = [&] {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "save_for_backward: a saved Forward ", key.DebugString(),
+        " exists already; each key is used once per step"));
+  };
+  if (save) {
+    std::lock_guard<std::mutex> saved_lock(saved_mutex_);
+    if (saved_.count(key) > 0) return already_saved();
+  }
+
+  SavedForward saved;
   std::shared_lock<std::shared_mutex> lock(state_mutex_);
   RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
-    at::NoGradGuard no_grad;
+    // With grad for a later Backward; the rows become one leaf.
+    at::AutoGradMode grad_mode(save);
     std::vector<at::Tensor> xs, ids;
     xs.reserve(n_inputs);
     ids.reserve(n_inputs);
@@ -237,19 +300,35 @@ absl::Status ExpertServiceCore::ForwardImpl(const v1::ExpertForwardRequest& requ
       ids.push_back(at::full({rows[i].size(0)}, request.inputs(i).expert_id(),
                              at::dtype(at::kLong).device(options_.device)));
     }
-    ASSIGN_OR_RETURN(const at::Tensor y, group->Forward(at::cat(xs), at::cat(ids)));
+    at::Tensor x = at::cat(xs);
+    if (save) x = x.detach().requires_grad_(true);
+    ASSIGN_OR_RETURN(const at::Tensor y, group->Forward(x, at::cat(ids)));
+    if (save) {
+      saved.input = x;
+      saved.output = y;
+      saved.weights_version = weights_version_.load(std::memory_order_relaxed);
+      for (int i = 0; i < n_inputs; ++i) {
+        saved.expert_ids.push_back(request.inputs(i).expert_id());
+        saved.rows.push_back(rows[i].size(0));
+      }
+    }
     int64_t offset = 0;
     for (int i = 0; i < n_inputs; ++i) {
       const int64_t n = rows[i].size(0);
       v1::ExpertRows* out = response->add_outputs();
       out->set_expert_id(request.inputs(i).expert_id());
-      RETURN_IF_ERROR(EncodeTensor(y.narrow(0, offset, n).to(rows[i].scalar_type()),
+      RETURN_IF_ERROR(EncodeTensor(y.detach().narrow(0, offset, n).to(rows[i].scalar_type()),
                                    out->mutable_rows()));
       offset += n;
     }
     return absl::OkStatus();
   }));
   lock.unlock();
+  if (save) {
+    saved.created = std::chrono::steady_clock::now();
+    std::lock_guard<std::mutex> saved_lock(saved_mutex_);
+    if (!saved_.emplace(key, std::move(saved)).second) return already_saved();
+  }
 
   int64_t out_bytes = 0;
   for (int i = 0; i < n_inputs; ++i) {
@@ -262,22 +341,162 @@ absl::Status ExpertServiceCore::ForwardImpl(const v1::ExpertForwardRequest& requ
   return absl::OkStatus();
 }
 
-absl::Status ExpertServiceCore::Backward(const v1::ExpertBackwardRequest&,
-                                         v1::ExpertBackwardResponse*) {
-  return absl::UnimplementedError(
-      "Backward: expert training arrives with the trainer; this service only "
-      "serves Forward");
+absl::Status ExpertServiceCore::Backward(const v1::ExpertBackwardRequest& request,
+                                         v1::ExpertBackwardResponse* response) {
+  response->Clear();
+  const SavedKey key{request.step(), request.micro_batch(), request.layer(),
+                     request.request_id()};
+  SavedForward saved;
+  {
+    std::lock_guard<std::mutex> lock(saved_mutex_);
+    auto node = saved_.extract(key);
+    if (node.empty()) {
+      return absl::NotFoundError(absl::StrCat(
+          "Backward: no saved Forward ", key.DebugString(),
+          "; it was never saved with save_for_backward, already consumed, aborted or "
+          "expired"));
+    }
+    saved = std::move(node.mapped());
+  }
+  // `saved` (and its graph) is freed on every path out of here.
+  absl::Status status = BackwardImpl(key, saved, request, response);
+  if (!status.ok()) response->Clear();
+  return status;
 }
 
-absl::Status ExpertServiceCore::Step(const v1::ExpertStepRequest&,
-                                     v1::ExpertStepResponse*) {
-  return absl::UnimplementedError(
-      "Step: expert training arrives with the trainer; this service only "
-      "serves Forward");
+absl::Status ExpertServiceCore::BackwardImpl(const SavedKey& key, SavedForward& saved,
+                                             const v1::ExpertBackwardRequest& request,
+                                             v1::ExpertBackwardResponse* response) {
+  const int n = request.output_grads_size();
+  if (n != static_cast<int>(saved.expert_ids.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output_grads: ", n, " entries; the saved Forward ", key.DebugString(), " has ",
+        saved.expert_ids.size(), " outputs"));
+  }
+  std::vector<at::Tensor> grads(n);
+  for (int i = 0; i < n; ++i) {
+    const v1::ExpertRows& g = request.output_grads(i);
+    const std::string field = absl::StrCat("output_grads[", i, "]");
+    if (g.expert_id() != saved.expert_ids[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".expert_id: ", g.expert_id(), "; expected ", saved.expert_ids[i],
+          " (outputs[", i, "] of the saved Forward)"));
+    }
+    ASSIGN_OR_RETURN(grads[i], DecodeTensor(g.rows(), field + ".rows"));
+    const at::Tensor& t = grads[i];
+    if (!IsFloatingWireType(t.scalar_type())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".rows.dtype: ", c10::toString(t.scalar_type()),
+          " is not a floating type; expected FLOAT32 or BFLOAT16"));
+    }
+    if (t.dim() != 2 || t.size(0) != saved.rows[i] || t.size(1) != options_.d_model) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".rows: expected shape [", saved.rows[i], ", ", options_.d_model,
+          "] (the saved output's), got ", ShapeString(t.sizes())));
+    }
+    bool finite = true;
+    RETURN_IF_ERROR(CatchTorchErrors([&] {
+      finite = t.numel() == 0 || at::isfinite(t).all().item<bool>();
+      return absl::OkStatus();
+    }));
+    if (!finite) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".rows contains NaN or Inf"));
+    }
+  }
+
+  at::Tensor input_grad;
+  RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+    std::vector<at::Tensor> gs;
+    gs.reserve(n);
+    for (const at::Tensor& g : grads) gs.push_back(g.to(options_.device, options_.dtype));
+    const at::Tensor grad_output = at::cat(gs);
+    std::shared_lock<std::shared_mutex> state_lock(state_mutex_);
+    if (saved.weights_version != weights_version_.load(std::memory_order_relaxed)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "Backward: the weights changed (Step or SetState) since the saved Forward ",
+          key.DebugString(), "; abort the step and redo it"));
+    }
+    std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+    torch::autograd::backward({saved.output}, {grad_output});
+    input_grad = saved.input.grad();
+    return absl::OkStatus();
+  }));
+  return CatchTorchErrors([&]() -> absl::Status {
+    if (!input_grad.defined()) input_grad = at::zeros_like(saved.input);
+    int64_t offset = 0;
+    for (int i = 0; i < n; ++i) {
+      v1::ExpertRows* out = response->add_input_grads();
+      out->set_expert_id(saved.expert_ids[i]);
+      RETURN_IF_ERROR(EncodeTensor(
+          input_grad.narrow(0, offset, saved.rows[i]).to(grads[i].scalar_type()),
+          out->mutable_rows()));
+      offset += saved.rows[i];
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status ExpertServiceCore::Step(const v1::ExpertStepRequest& request,
+                                     v1::ExpertStepResponse* response) {
+  response->Clear();
+  if (request.norm_only()) {
+    double norm = 0;
+    {
+      std::shared_lock<std::shared_mutex> state_lock(state_mutex_);
+      std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+      RETURN_IF_ERROR(CatchTorchErrors([&] {
+        norm = optimizer_->GradNormSquared();
+        return absl::OkStatus();
+      }));
+    }
+    response->set_grad_norm_squared(norm);
+    response->set_last_applied_step(last_applied_step());
+    return absl::OkStatus();
+  }
+  StepOptions options;
+  options.step = request.step();
+  options.lr = request.learning_rate();
+  options.grad_scale = request.grad_scale();
+  options.weight_decay = request.weight_decay();
+  options.beta1 = request.beta1();
+  options.beta2 = request.beta2();
+  options.eps = request.eps();
+  std::unique_lock<std::shared_mutex> lock(state_mutex_);
+  ASSIGN_OR_RETURN(const StepResult result, optimizer_->Step(options));
+  last_applied_step_.store(result.last_applied_step, std::memory_order_relaxed);
+  if (result.applied) weights_version_.fetch_add(1, std::memory_order_relaxed);
+  lock.unlock();
+  response->set_grad_norm_squared(result.grad_norm_squared);
+  response->set_applied(result.applied);
+  response->set_last_applied_step(result.last_applied_step);
+  return absl::OkStatus();
+}
+
+absl::Status ExpertServiceCore::Abort(const v1::ExpertAbortRequest& request,
+                                      v1::ExpertAbortResponse* response) {
+  response->Clear();
+  SweepExpiredSaved();
+  std::vector<SavedForward> dropped;  // graphs are freed outside the lock
+  {
+    std::lock_guard<std::mutex> lock(saved_mutex_);
+    for (auto it = saved_.begin(); it != saved_.end();) {
+      if (request.step() == 0 || it->first.step == request.step()) {
+        dropped.push_back(std::move(it->second));
+        it = saved_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  response->set_freed(static_cast<int64_t>(dropped.size()));
+  // The failed step's finished Backwards left gradients; a retry starts clean.
+  std::unique_lock<std::shared_mutex> lock(state_mutex_);
+  optimizer_->ZeroGrad();
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<NamedTensor>> ExpertServiceCore::GetState(
-    bool /*include_optimizer*/) const {
+    bool include_optimizer) const {
   std::vector<NamedTensor> state;
   std::shared_lock<std::shared_mutex> lock(state_mutex_);
   RETURN_IF_ERROR(CatchTorchErrors([&] {
@@ -289,6 +508,9 @@ absl::StatusOr<std::vector<NamedTensor>> ExpertServiceCore::GetState(
                                       : t.to(at::kCPU).contiguous());
       }
     }
+    if (include_optimizer) {
+      for (NamedTensor& entry : optimizer_->State()) state.push_back(std::move(entry));
+    }
     return absl::OkStatus();
   }));
   return state;
@@ -299,9 +521,13 @@ absl::Status ExpertServiceCore::ValidateStateTensor(const std::string& name,
                                                     at::IntArrayRef shape) const {
   const auto it = parameters_.find(name);
   if (it == parameters_.end()) {
+    if (ExpertOptimizer::IsStateName(name)) {
+      return optimizer_->ValidateStateTensor(name, dtype, shape);
+    }
     return absl::InvalidArgumentError(absl::StrCat(
         "state: unknown tensor name '", name,
-        "'; expected layer<L>.<w1|b1|w2|b2> with L in [0, ", options_.num_layers, ")"));
+        "'; expected layer<L>.<w1|b1|w2|b2> with L in [0, ", options_.num_layers,
+        "), or an optimizer state name"));
   }
   const at::Tensor& param = it->second;
   if (!param.sizes().equals(shape)) {
@@ -318,18 +544,28 @@ absl::Status ExpertServiceCore::ValidateStateTensor(const std::string& name,
 }
 
 absl::Status ExpertServiceCore::SetState(absl::Span<const NamedTensor> tensors) {
+  std::vector<NamedTensor> optimizer_state;
   for (const auto& [name, tensor] : tensors) {
     if (!tensor.defined()) {
       return absl::InvalidArgumentError(
           absl::StrCat("state '", name, "': undefined tensor"));
     }
     RETURN_IF_ERROR(ValidateStateTensor(name, tensor.scalar_type(), tensor.sizes()));
+    if (parameters_.count(name) == 0) optimizer_state.emplace_back(name, tensor);
   }
   std::unique_lock<std::shared_mutex> lock(state_mutex_);
+  // The optimizer validates the rest (complete per-parameter entries) before
+  // changing anything; the parameter copies below cannot fail validation.
+  if (!optimizer_state.empty()) {
+    RETURN_IF_ERROR(optimizer_->SetState(optimizer_state));
+    last_applied_step_.store(optimizer_->last_applied_step(), std::memory_order_relaxed);
+  }
+  weights_version_.fetch_add(1, std::memory_order_relaxed);
   return CatchTorchErrors([&] {
     at::NoGradGuard no_grad;
     for (const auto& [name, tensor] : tensors) {
-      parameters_.at(name).copy_(tensor);
+      const auto it = parameters_.find(name);
+      if (it != parameters_.end()) it->second.copy_(tensor);
     }
     return absl::OkStatus();
   });
@@ -358,6 +594,8 @@ ExpertServiceCounters ExpertServiceCore::counters() const {
   c.bytes_in = bytes_in_.load(std::memory_order_relaxed);
   c.bytes_out = bytes_out_.load(std::memory_order_relaxed);
   c.in_flight = in_flight_.load(std::memory_order_relaxed);
+  c.pending_saved = pending_saved();
+  c.saved_expired = saved_expired_.load(std::memory_order_relaxed);
   return c;
 }
 
@@ -499,8 +737,8 @@ absl::StatusOr<std::vector<NamedTensor>> StateAssembler::Finish() {
 // --- State files ------------------------------------------------------------
 
 absl::Status SaveStateToFile(const ExpertServiceCore& core, const std::string& path,
-                             int64_t chunk_bytes) {
-  ASSIGN_OR_RETURN(auto state, core.GetState());
+                             int64_t chunk_bytes, bool include_optimizer) {
+  ASSIGN_OR_RETURN(auto state, core.GetState(include_optimizer));
   ASSIGN_OR_RETURN(auto chunker, StateChunker::Create(std::move(state), chunk_bytes));
   const std::string tmp = path + ".tmp";
   {

@@ -2,10 +2,12 @@
 #define HIMOE_EXPERT_SERVICE_EXPERT_SERVICE_CORE_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <shared_mutex>
 #include <string>
@@ -17,8 +19,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "expert_service/expert_group.h"
+#include "expert_service/expert_optimizer.h"
 #include "himoe/v1/expert.pb.h"
 
 namespace himoe::expert {
@@ -37,6 +41,9 @@ struct ExpertServiceOptions {
   c10::Device device = c10::Device(c10::kCPU);
   c10::ScalarType dtype = c10::kFloat;  // kFloat or kBFloat16
   int64_t max_tokens_per_request = 65536;
+  // Saved Forward states at least this old are dropped by the sweep that
+  // starts every Forward, Info and Abort call. >= 0.
+  absl::Duration saved_state_ttl = absl::Seconds(300);
 };
 
 struct ExpertServiceInfo {
@@ -50,6 +57,8 @@ struct ExpertServiceInfo {
   c10::ScalarType dtype = c10::kFloat;
   std::string device;
   std::string version;
+  int64_t pending_saved = 0;  // saved Forward states awaiting Backward
+  uint64_t last_applied_step = 0;
 };
 
 struct ExpertServiceCounters {
@@ -62,13 +71,15 @@ struct ExpertServiceCounters {
   int64_t bytes_in = 0;   // tensor payload bytes received by Forward
   int64_t bytes_out = 0;  // tensor payload bytes returned by Forward
   int64_t in_flight = 0;  // Forward calls running now (queue depth)
+  int64_t pending_saved = 0;  // saved Forward states awaiting Backward
+  int64_t saved_expired = 0;  // saved states dropped by the TTL sweep
 };
 
-using NamedTensor = std::pair<std::string, at::Tensor>;
-
-// The transport-free expert-group service: one ExpertGroup per layer.
-// Forward may run concurrently from many threads; SetState takes the writer
-// side of a shared mutex.
+// The transport-free expert-group service: one ExpertGroup per layer, one
+// ExpertOptimizer over all of them.
+// Forward and Backward may run concurrently from many threads (parameter
+// gradient accumulation is serialized); Step and SetState take the writer
+// side of a shared mutex, so weights never change under a Forward/Backward.
 class ExpertServiceCore {
  public:
   static absl::StatusOr<std::unique_ptr<ExpertServiceCore>> Create(
@@ -77,26 +88,53 @@ class ExpertServiceCore {
   ExpertServiceInfo Info() const;
   void FillInfo(v1::ExpertInfoResponse* response) const;
 
+  // With save_for_backward, the rows become leaves requiring grad (in the
+  // group dtype) and the graph is kept under (step, micro_batch, layer,
+  // request_id) until Backward, Abort or the TTL; a key in use is
+  // ALREADY_EXISTS.
   absl::Status Forward(const v1::ExpertForwardRequest& request,
                        v1::ExpertForwardResponse* response);
+  // Consumes the saved Forward (NOT_FOUND if there is none): checks that the
+  // output grads match its outputs, accumulates the parameter grads, returns
+  // the input grads in the dtype of each output grad. FAILED_PRECONDITION if
+  // a Step or SetState changed the weights since that Forward. The saved
+  // state is freed whether or not the backward succeeds.
   absl::Status Backward(const v1::ExpertBackwardRequest& request,
                         v1::ExpertBackwardResponse* response);
+  // norm_only: reports the squared grad norm. Otherwise an ExpertOptimizer
+  // step (idempotent per step id) reporting the norm before grad_scale.
   absl::Status Step(const v1::ExpertStepRequest& request,
                     v1::ExpertStepResponse* response);
+  // Drops the saved Forward states of request.step (all of them when 0).
+  absl::Status Abort(const v1::ExpertAbortRequest& request,
+                     v1::ExpertAbortResponse* response);
+
+  // Saved Forward states awaiting Backward (no sweep).
+  int64_t pending_saved() const;
+  uint64_t last_applied_step() const {
+    return last_applied_step_.load(std::memory_order_relaxed);
+  }
 
   // CPU copies of every parameter, named "layer<L>.<w1|b1|w2|b2>", in layer
-  // order. There is no optimizer state yet, so include_optimizer adds nothing.
+  // order; with include_optimizer, then ExpertOptimizer::State().
   absl::StatusOr<std::vector<NamedTensor>> GetState(
       bool include_optimizer = false) const;
-  // Validates every (name, tensor) first (known name, exact shape and dtype),
-  // then copies all of them in under the writer lock: all or nothing.
+  // Validates every (name, tensor) first (known name, exact shape and dtype;
+  // parameters and ExpertOptimizer::State() names), then applies all of them
+  // under the writer lock: all or nothing.
   absl::Status SetState(absl::Span<const NamedTensor> tensors);
   absl::Status SetState(const std::string& name, const at::Tensor& tensor);
-  // OK if `name` is a parameter of exactly this dtype and shape.
+  // OK if `name` is a parameter or optimizer state entry of exactly this
+  // dtype and shape.
   absl::Status ValidateStateTensor(const std::string& name, c10::ScalarType dtype,
                                    at::IntArrayRef shape) const;
 
   ExpertServiceCounters counters() const;
+  // Called after every Forward with its compute time in seconds. Set before
+  // serving; not thread-safe to change while Forward runs.
+  void set_forward_observer(std::function<void(double)> observer) {
+    forward_observer_ = std::move(observer);
+  }
 
   const ExpertServiceOptions& options() const { return options_; }
   int experts_per_group() const { return experts_per_group_; }
@@ -107,15 +145,51 @@ class ExpertServiceCore {
  private:
   explicit ExpertServiceCore(const ExpertServiceOptions& options);
 
+  // (step, micro_batch, layer, request_id) of a saved Forward.
+  struct SavedKey {
+    uint64_t step = 0;
+    uint32_t micro_batch = 0;
+    int32_t layer = 0;
+    uint64_t request_id = 0;
+    bool operator<(const SavedKey& o) const;
+    std::string DebugString() const;
+  };
+  struct SavedForward {
+    at::Tensor input;   // [rows, d] leaf in the group dtype, requires grad
+    at::Tensor output;  // [rows, d] with its graph
+    std::vector<int32_t> expert_ids;  // per request input
+    std::vector<int64_t> rows;        // per request input
+    uint64_t weights_version = 0;     // weights_version_ at Forward time
+    std::chrono::steady_clock::time_point created;
+  };
+
   absl::Status ForwardImpl(const v1::ExpertForwardRequest& request,
                              v1::ExpertForwardResponse* response);
+  absl::Status BackwardImpl(const SavedKey& key, SavedForward& saved,
+                            const v1::ExpertBackwardRequest& request,
+                            v1::ExpertBackwardResponse* response);
+  // Drops saved states at least saved_state_ttl old. Bookkeeping only, hence
+  // const (Info sweeps too).
+  void SweepExpiredSaved() const;
 
   ExpertServiceOptions options_;
   int experts_per_group_ = 0;
   std::vector<std::unique_ptr<ExpertGroup>> groups_;  // by layer
   std::map<std::string, at::Tensor> parameters_;      // handles into groups_
+  std::unique_ptr<ExpertOptimizer> optimizer_;        // over groups_
 
+  // Shared: Forward, Backward, GetState, norm-only Step. Exclusive: Step,
+  // SetState.
   mutable std::shared_mutex state_mutex_;
+  // Serializes parameter .grad accumulation (Backward) and reading it.
+  std::mutex grad_mutex_;
+  mutable std::mutex saved_mutex_;
+  mutable std::map<SavedKey, SavedForward> saved_;  // guarded by saved_mutex_
+  mutable std::atomic<int64_t> saved_expired_{0};
+  std::atomic<uint64_t> last_applied_step_{0};
+  // Bumped (under the writer lock) whenever Step or SetState changes weights:
+  // a saved Forward from before cannot be differentiated any more.
+  std::atomic<uint64_t> weights_version_{0};
 
   std::unique_ptr<std::atomic<int64_t>[]> tokens_;  // [layer * S + s]
   std::atomic<int64_t> forward_requests_{0};
@@ -123,6 +197,7 @@ class ExpertServiceCore {
   std::atomic<int64_t> bytes_in_{0};
   std::atomic<int64_t> bytes_out_{0};
   std::atomic<int64_t> in_flight_{0};
+  std::function<void(double)> forward_observer_;
 };
 
 // Splits named tensors into StateChunk messages of at most chunk_bytes data
@@ -184,7 +259,8 @@ class StateAssembler {
 // State files: a length-delimited stream of StateChunk messages.
 absl::Status SaveStateToFile(const ExpertServiceCore& core,
                              const std::string& path,
-                             int64_t chunk_bytes = kDefaultStateChunkBytes);
+                             int64_t chunk_bytes = kDefaultStateChunkBytes,
+                             bool include_optimizer = false);
 absl::Status LoadStateFromFile(const std::string& path,
                                ExpertServiceCore* core);
 

@@ -13,9 +13,9 @@
 namespace himoe::router {
 
 struct GroupClient::Call {
-  const v1::ExpertForwardRequest* request;
-  v1::ExpertForwardResponse* response;
-  ForwardDone done;
+  Start start;
+  bool failover = true;
+  Done done;
   size_t replica = 0;
   std::unique_ptr<grpc::ClientContext> context;
   std::string errors;  // of replicas tried so far
@@ -45,11 +45,40 @@ absl::StatusOr<std::unique_ptr<GroupClient>> GroupClient::Create(
 }
 
 void GroupClient::ForwardAsync(const v1::ExpertForwardRequest* request,
-                               v1::ExpertForwardResponse* response,
-                               ForwardDone done) {
+                               v1::ExpertForwardResponse* response, Done done) {
+  StartCall(
+      [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
+                          std::function<void(grpc::Status)> on_status) {
+        response->Clear();
+        stub->async()->Forward(context, request, response, std::move(on_status));
+      },
+      /*failover=*/true, std::move(done));
+}
+
+void GroupClient::BackwardAsync(const v1::ExpertBackwardRequest* request,
+                                v1::ExpertBackwardResponse* response, Done done) {
+  StartCall(
+      [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
+                          std::function<void(grpc::Status)> on_status) {
+        stub->async()->Backward(context, request, response, std::move(on_status));
+      },
+      /*failover=*/false, std::move(done));
+}
+
+void GroupClient::StepAsync(const v1::ExpertStepRequest* request,
+                            v1::ExpertStepResponse* response, Done done) {
+  StartCall(
+      [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
+                          std::function<void(grpc::Status)> on_status) {
+        stub->async()->Step(context, request, response, std::move(on_status));
+      },
+      /*failover=*/false, std::move(done));
+}
+
+void GroupClient::StartCall(Start start, bool failover, Done done) {
   auto call = std::make_shared<Call>();
-  call->request = request;
-  call->response = response;
+  call->start = std::move(start);
+  call->failover = failover;
   call->done = std::move(done);
   Attempt(std::move(call));
 }
@@ -57,34 +86,32 @@ void GroupClient::ForwardAsync(const v1::ExpertForwardRequest* request,
 void GroupClient::Attempt(std::shared_ptr<Call> call) {
   call->context = std::make_unique<grpc::ClientContext>();
   call->context->set_deadline(std::chrono::system_clock::now() + options_.deadline);
-  call->response->Clear();
-  v1::ExpertService::Stub* stub = stubs_[call->replica].get();
-  stub->async()->Forward(
-      call->context.get(), call->request, call->response,
-      [this, call](grpc::Status status) {
-        if (status.ok()) {
-          call->done(absl::OkStatus());
-          return;
-        }
-        const std::string& address = options_.addresses[call->replica];
-        absl::StrAppend(&call->errors, call->errors.empty() ? "" : "; ", address, ": ",
-                        status.error_message());
-        const bool retriable = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                               status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
-        if (retriable && call->replica + 1 < stubs_.size()) {
-          ++call->replica;
-          Attempt(call);
-          return;
-        }
-        // Input errors come back as they are; transport errors name the group.
-        const absl::Status s = FromGrpcStatus(status);
-        call->done(retriable ? absl::Status(s.code(),
-                                            absl::StrCat("expert group ", options_.group_id,
-                                                         " unreachable (", call->errors, ")"))
-                             : absl::Status(s.code(), absl::StrCat("expert group ",
-                                                                   options_.group_id, " at ",
-                                                                   address, ": ", s.message())));
-      });
+  call->start(stubs_[call->replica].get(), call->context.get(), [this, call](grpc::Status status) {
+    if (status.ok()) {
+      call->done(absl::OkStatus());
+      return;
+    }
+    absl::StrAppend(&call->errors, call->errors.empty() ? "" : "; ",
+                    options_.addresses[call->replica], ": ", status.error_message());
+    const bool retriable = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                           status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+    if (retriable && call->failover && call->replica + 1 < stubs_.size()) {
+      ++call->replica;
+      Attempt(call);
+      return;
+    }
+    // Input errors come back as they are; transport errors name the group.
+    const absl::Status s = FromGrpcStatus(status);
+    call->done(retriable ? absl::Status(s.code(), absl::StrCat("expert group ", options_.group_id,
+                                                               " unreachable (", call->errors, ")"))
+                         : Named(status, call->replica));
+  });
+}
+
+absl::Status GroupClient::Named(const grpc::Status& status, size_t replica) const {
+  const absl::Status s = FromGrpcStatus(status);
+  return absl::Status(s.code(), absl::StrCat("expert group ", options_.group_id, " at ",
+                                             options_.addresses[replica], ": ", s.message()));
 }
 
 absl::StatusOr<v1::ExpertInfoResponse> GroupClient::Info() {
@@ -100,6 +127,47 @@ absl::StatusOr<v1::ExpertInfoResponse> GroupClient::Info() {
   }
   return absl::UnavailableError(
       absl::StrCat("expert group ", options_.group_id, " unreachable (", errors, ")"));
+}
+
+}  // namespace himoe::router
+
+namespace himoe::router {
+
+absl::StatusOr<v1::ExpertAbortResponse> GroupClient::Abort(uint64_t step) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  v1::ExpertAbortRequest request;
+  request.set_step(step);
+  v1::ExpertAbortResponse response;
+  const grpc::Status status = stubs_[0]->Abort(&context, request, &response);
+  if (!status.ok()) return Named(status, 0);
+  return response;
+}
+
+absl::StatusOr<std::vector<v1::StateChunk>> GroupClient::GetState(bool include_optimizer) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  v1::GetStateRequest request;
+  request.set_include_optimizer(include_optimizer);
+  auto reader = stubs_[0]->GetState(&context, request);
+  std::vector<v1::StateChunk> chunks;
+  for (v1::StateChunk chunk; reader->Read(&chunk);) chunks.push_back(std::move(chunk));
+  const grpc::Status status = reader->Finish();
+  if (!status.ok()) return Named(status, 0);
+  return chunks;
+}
+
+absl::Status GroupClient::SetState(const std::vector<v1::StateChunk>& chunks) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  v1::SetStateResponse response;
+  auto writer = stubs_[0]->SetState(&context, &response);
+  for (const v1::StateChunk& chunk : chunks) {
+    if (!writer->Write(chunk)) break;  // the server ended the stream early
+  }
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  return status.ok() ? absl::OkStatus() : Named(status, 0);
 }
 
 }  // namespace himoe::router

@@ -32,21 +32,36 @@ class GroupClient {
   static absl::StatusOr<std::unique_ptr<GroupClient>> Create(
       const GroupClientOptions& options);
 
-  using ForwardDone = std::function<void(absl::Status)>;
-  // Starts Forward; `done` runs once, on a gRPC thread. `request` and
-  // `response` must outlive the call.
+  using Done = std::function<void(absl::Status)>;
+  // Start a call; `done` runs once, on a gRPC thread. `request` and
+  // `response` must outlive the call. Forward fails over to replicas; the
+  // training calls (Backward, Step, Abort) stay on the first address, which
+  // holds the saved activations and the optimizer.
   void ForwardAsync(const v1::ExpertForwardRequest* request,
-                    v1::ExpertForwardResponse* response, ForwardDone done);
+                    v1::ExpertForwardResponse* response, Done done);
+  void BackwardAsync(const v1::ExpertBackwardRequest* request,
+                     v1::ExpertBackwardResponse* response, Done done);
+  void StepAsync(const v1::ExpertStepRequest* request, v1::ExpertStepResponse* response,
+                 Done done);
 
+  // Blocking calls (first address; Info fails over).
   absl::StatusOr<v1::ExpertInfoResponse> Info();
+  absl::StatusOr<v1::ExpertAbortResponse> Abort(uint64_t step);
+  absl::StatusOr<std::vector<v1::StateChunk>> GetState(bool include_optimizer);
+  absl::Status SetState(const std::vector<v1::StateChunk>& chunks);
 
   int group_id() const { return options_.group_id; }
   const std::vector<std::string>& addresses() const { return options_.addresses; }
 
  private:
   struct Call;
+  // Issues the RPC on a stub with a fresh context; `on_status` gets its status.
+  using Start = std::function<void(v1::ExpertService::Stub*, grpc::ClientContext*,
+                                   std::function<void(grpc::Status)>)>;
   explicit GroupClient(const GroupClientOptions& options) : options_(options) {}
+  void StartCall(Start start, bool failover, Done done);
   void Attempt(std::shared_ptr<Call> call);
+  absl::Status Named(const grpc::Status& status, size_t replica) const;
 
   GroupClientOptions options_;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;

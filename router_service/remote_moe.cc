@@ -24,14 +24,15 @@ struct ChunkCall {
   absl::Status status;
 };
 
-// Splits rows [begin, end) of a group's (expert-sorted) dispatch into one
-// ExpertRows per run of equal expert ids.
-absl::Status FillChunk(const at::Tensor& rows, const std::vector<int64_t>& experts,
-                       int64_t begin, int64_t end, v1::ExpertForwardRequest* request) {
+}  // namespace
+
+absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>& experts,
+                              int64_t begin, int64_t end,
+                              google::protobuf::RepeatedPtrField<v1::ExpertRows>* out) {
   int64_t run = begin;
   for (int64_t i = begin + 1; i <= end; ++i) {
     if (i < end && experts[i] == experts[run]) continue;
-    v1::ExpertRows* er = request->add_inputs();
+    v1::ExpertRows* er = out->Add();
     er->set_expert_id(static_cast<int32_t>(experts[run]));
     RETURN_IF_ERROR(EncodeTensor(rows.slice(0, run, i), er->mutable_rows()));
     run = i;
@@ -39,7 +40,29 @@ absl::Status FillChunk(const at::Tensor& rows, const std::vector<int64_t>& exper
   return absl::OkStatus();
 }
 
-}  // namespace
+absl::StatusOr<at::Tensor> ConcatExpertRows(
+    const google::protobuf::RepeatedPtrField<v1::ExpertRows>& parts,
+    const google::protobuf::RepeatedPtrField<v1::ExpertRows>& expected, int64_t d_model,
+    absl::string_view what) {
+  if (parts.size() != expected.size()) {
+    return absl::InternalError(absl::StrCat(what, ": ", parts.size(), " row blocks for ",
+                                            expected.size(), " sent"));
+  }
+  std::vector<at::Tensor> pieces;
+  for (int i = 0; i < parts.size(); ++i) {
+    ASSIGN_OR_RETURN(at::Tensor y, DecodeTensor(parts.Get(i).rows(), what));
+    if (y.dim() != 2 || y.size(0) != expected.Get(i).rows().shape(0) || y.size(1) != d_model) {
+      return absl::InternalError(absl::StrCat(what, ": block ", i, " has the wrong shape"));
+    }
+    pieces.push_back(std::move(y));
+  }
+  at::Tensor out;
+  RETURN_IF_ERROR(CatchTorchErrors([&] {
+    out = pieces.empty() ? at::zeros({0, d_model}) : at::cat(pieces).to(at::kFloat);
+    return absl::OkStatus();
+  }));
+  return out;
+}
 
 absl::StatusOr<std::unique_ptr<RemoteMoE>> RemoteMoE::Create(
     const RemoteMoEOptions& options) {
@@ -100,8 +123,9 @@ absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x) {
         call->group = static_cast<int>(g);
         call->request.set_layer(layer);
         call->request.set_request_id(request_id);
-        RETURN_IF_ERROR(FillChunk(rows, experts, begin, std::min(n, begin + rows_per_chunk),
-                                  &call->request));
+        RETURN_IF_ERROR(AppendExpertRuns(rows, experts, begin,
+                                         std::min(n, begin + rows_per_chunk),
+                                         call->request.mutable_inputs()));
         calls.push_back(std::move(call));
       }
     }
@@ -141,26 +165,16 @@ absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x) {
   std::vector<std::vector<at::Tensor>> pieces(groups_.size());
   for (const auto& call : calls) {
     RETURN_IF_ERROR(call->status);
-    if (call->response.outputs_size() != call->request.inputs_size()) {
-      return absl::InternalError(absl::StrCat("expert group ", call->group, " returned ",
-                                              call->response.outputs_size(), " outputs for ",
-                                              call->request.inputs_size(), " inputs"));
-    }
-    for (int i = 0; i < call->response.outputs_size(); ++i) {
-      ASSIGN_OR_RETURN(at::Tensor y, DecodeTensor(call->response.outputs(i).rows(),
-                                                  "ExpertForwardResponse.outputs.rows"));
-      if (y.dim() != 2 || y.size(0) != call->request.inputs(i).rows().shape(0) ||
-          y.size(1) != options_.d_model) {
-        return absl::InternalError(absl::StrCat("expert group ", call->group,
-                                                " returned an output of the wrong shape"));
-      }
-      pieces[call->group].push_back(std::move(y));
-    }
+    ASSIGN_OR_RETURN(at::Tensor y,
+                     ConcatExpertRows(call->response.outputs(), call->request.inputs(),
+                                      options_.d_model,
+                                      absl::StrCat("expert group ", call->group, " outputs")));
+    pieces[call->group].push_back(std::move(y));
   }
   std::vector<at::Tensor> outputs(groups_.size());
   RETURN_IF_ERROR(CatchTorchErrors([&] {
     for (size_t g = 0; g < groups_.size(); ++g) {
-      if (!pieces[g].empty()) outputs[g] = at::cat(pieces[g]).to(at::kFloat);
+      if (!pieces[g].empty()) outputs[g] = at::cat(pieces[g]);
     }
     out.output = CombineGroupOutputs(x.size(0), x.size(1), out.routing.groups, outputs);
     return absl::OkStatus();

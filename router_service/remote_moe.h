@@ -17,6 +17,19 @@
 
 namespace himoe::router {
 
+// Appends rows [begin, end) of a group's expert-sorted rows to `out`, one
+// ExpertRows per run of equal expert ids (`experts` is on the CPU).
+absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>& experts,
+                              int64_t begin, int64_t end,
+                              google::protobuf::RepeatedPtrField<v1::ExpertRows>* out);
+
+// Concatenates the rows of `parts` into one [n, d_model] tensor, checking
+// that part i has as many rows as `expected[i]`.
+absl::StatusOr<at::Tensor> ConcatExpertRows(
+    const google::protobuf::RepeatedPtrField<v1::ExpertRows>& parts,
+    const google::protobuf::RepeatedPtrField<v1::ExpertRows>& expected, int64_t d_model,
+    absl::string_view what);
+
 struct RemoteMoEOptions {
   RoutingConfig routing;
   int64_t d_model = 0;

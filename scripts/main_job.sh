@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The main job: the coordinator trainer over a local cluster of expert-group
-# services, training on the fortunes corpus. It is issue #4 and not built yet.
+# The main job: trains a small Hi-MoE language model on Debian's fortunes
+# corpus. The coordinator (himoe-trainer) keeps the dense layers and routers;
+# the experts live in 4 himoe-expert processes it starts on 127.0.0.1 and
+# stops at exit. Extra flags go to himoe-trainer (e.g. --steps 100,
+# --method moge, --metrics_port 9464); see `himoe-trainer --help`.
 set -euo pipefail
-echo "himoe: the trainer (issue #4) is not implemented yet; nothing to run." >&2
-echo "himoe: what exists is tested by: bash scripts/test.sh" >&2
-exit 1
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${HIMOE_RUN_DIR:-${ROOT}/runs/main}"
+exec "${HIMOE_BUILD_DIR:-${ROOT}/build}/trainer/himoe-trainer" --experts=local --out_dir "${OUT}" "$@"

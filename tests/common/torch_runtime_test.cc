@@ -19,6 +19,17 @@ TEST(TorchRuntimeTest, ConfigureTorchThreadsSetsTheIntraOpCount) {
   EXPECT_EQ(at::get_num_threads(), 2);
 }
 
+TEST(TorchRuntimeTest, BlisThreadsFollowUnlessTheUserSetThem) {
+  // ctest starts each test in its own process, so BLIS is not initialized yet.
+  unsetenv("BLIS_NUM_THREADS");
+  ASSERT_TRUE(ConfigureTorchThreads(2).ok());
+  ASSERT_NE(getenv("BLIS_NUM_THREADS"), nullptr);
+  EXPECT_STREQ(getenv("BLIS_NUM_THREADS"), "2");
+  setenv("BLIS_NUM_THREADS", "1", 1);
+  ASSERT_TRUE(ConfigureTorchThreads(2).ok());
+  EXPECT_STREQ(getenv("BLIS_NUM_THREADS"), "1");
+}
+
 TEST(TorchRuntimeTest, ZeroThreadsMeansAllAvailableCores) {
   ASSERT_GE(DefaultThreadCount(), 1);
   ASSERT_TRUE(ConfigureTorchThreads(0).ok());

@@ -333,26 +333,35 @@ TEST_F(ExpertServiceTest, BadInputsAreInvalidArgumentAndServerKeepsServing) {
             static_cast<int64_t>(cases.size()));
 }
 
-TEST_F(ExpertServiceTest, TrainingRpcsAreUnimplementedForNow) {
+// The training RPCs are served (tests/expert_service/expert_training_test.cc
+// checks their results); here only that they answer with the right codes.
+TEST_F(ExpertServiceTest, TrainingRpcsAnswer) {
   v1::ExpertForwardRequest request = MakeRequest(0, {{2, at::randn({1, kD})}});
   request.set_save_for_backward(true);
   v1::ExpertForwardResponse response;
-  const grpc::Status forward = Forward(request, &response);
-  EXPECT_EQ(forward.error_code(), grpc::StatusCode::UNIMPLEMENTED);
-  EXPECT_THAT(forward.error_message(), HasSubstr("save_for_backward"));
+  ASSERT_TRUE(Forward(request, &response).ok());
+  EXPECT_EQ(response.outputs_size(), 1);
   {
     grpc::ClientContext context;
     v1::ExpertBackwardResponse r;
-    const grpc::Status s = stub_->Backward(&context, v1::ExpertBackwardRequest(), &r);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNIMPLEMENTED);
-    EXPECT_THAT(s.error_message(), HasSubstr("trainer"));
+    v1::ExpertBackwardRequest backward;
+    backward.set_step(3);
+    const grpc::Status s = stub_->Backward(&context, backward, &r);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_THAT(s.error_message(), HasSubstr("no saved Forward (step=3"));
   }
   {
     grpc::ClientContext context;
     v1::ExpertStepResponse r;
     const grpc::Status s = stub_->Step(&context, v1::ExpertStepRequest(), &r);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNIMPLEMENTED);
-    EXPECT_THAT(s.error_message(), HasSubstr("trainer"));
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("eps: 0"));
+  }
+  {
+    grpc::ClientContext context;
+    v1::ExpertAbortResponse r;
+    ASSERT_TRUE(stub_->Abort(&context, v1::ExpertAbortRequest(), &r).ok());
+    EXPECT_EQ(r.freed(), 1);
   }
 }
 

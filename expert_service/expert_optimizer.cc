@@ -1,0 +1,278 @@
+#include "expert_service/expert_optimizer.h"
+
+#include <cmath>
+#include <map>
+#include <set>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <c10/util/string_utils.h>
+#include <torch/optim/adamw.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "common/torch_runtime.h"
+
+namespace himoe::expert {
+namespace {
+
+constexpr char kLastAppliedStep[] = "optimizer.last_applied_step";
+constexpr const char* kFields[] = {"exp_avg", "exp_avg_sq", "step"};
+
+std::string ShapeString(at::IntArrayRef shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// The key torch 1.13's optimizers use for a parameter's state.
+std::string StateKey(const at::Tensor& param) {
+  return c10::guts::to_string(param.unsafeGetTensorImpl());
+}
+
+// Splits "layer0.w1.exp_avg" into ("layer0.w1", "exp_avg"); false if the
+// suffix is not a state field.
+bool SplitStateName(const std::string& name, std::string* param, std::string* field) {
+  const size_t dot = name.rfind('.');
+  if (dot == std::string::npos || dot == 0) return false;
+  const std::string suffix = name.substr(dot + 1);
+  for (const char* f : kFields) {
+    if (suffix == f) {
+      *param = name.substr(0, dot);
+      *field = suffix;
+      return true;
+    }
+  }
+  return false;
+}
+
+absl::Status ValidateOptions(const StepOptions& o) {
+  const auto bad = [](const char* field, double value, const char* expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", value, "; expected ", expected));
+  };
+  if (!(o.lr >= 0) || !std::isfinite(o.lr)) return bad("learning_rate", o.lr, "finite >= 0");
+  if (!(o.grad_scale >= 0) || !std::isfinite(o.grad_scale)) {
+    return bad("grad_scale", o.grad_scale, "finite >= 0");
+  }
+  if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay)) {
+    return bad("weight_decay", o.weight_decay, "finite >= 0");
+  }
+  if (!(o.beta1 >= 0 && o.beta1 < 1)) return bad("beta1", o.beta1, "in [0, 1)");
+  if (!(o.beta2 >= 0 && o.beta2 < 1)) return bad("beta2", o.beta2, "in [0, 1)");
+  if (!(o.eps > 0) || !std::isfinite(o.eps)) return bad("eps", o.eps, "finite > 0");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+ExpertOptimizer::~ExpertOptimizer() = default;
+
+absl::StatusOr<std::unique_ptr<ExpertOptimizer>> ExpertOptimizer::Create(
+    std::vector<ExpertGroup*> groups) {
+  if (groups.empty()) {
+    return absl::InvalidArgumentError("expert optimizer: no expert groups");
+  }
+  std::set<int> layers;
+  for (const ExpertGroup* g : groups) {
+    if (g == nullptr) return absl::InvalidArgumentError("expert optimizer: null group");
+    if (!layers.insert(g->options().layer).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "expert optimizer: layer ", g->options().layer, " appears twice"));
+    }
+  }
+  std::unique_ptr<ExpertOptimizer> opt(new ExpertOptimizer());
+  std::vector<at::Tensor> decayed, not_decayed;
+  for (const ExpertGroup* g : groups) {
+    for (const auto& [name, tensor] : g->named_parameters()) {
+      opt->params_.push_back({absl::StrCat("layer", g->options().layer, ".", name), tensor});
+      (name == "w1" || name == "w2" ? decayed : not_decayed).push_back(tensor);
+    }
+  }
+  RETURN_IF_ERROR(CatchTorchErrors([&] {
+    using torch::optim::AdamWOptions;
+    std::vector<torch::optim::OptimizerParamGroup> param_groups;
+    param_groups.emplace_back(decayed, std::make_unique<AdamWOptions>());
+    param_groups.emplace_back(not_decayed,
+                              std::make_unique<AdamWOptions>(AdamWOptions().weight_decay(0)));
+    opt->adamw_ = std::make_unique<torch::optim::AdamW>(std::move(param_groups));
+    return absl::OkStatus();
+  }));
+  return opt;
+}
+
+double ExpertOptimizer::GradNormSquared() const {
+  double sum = 0;
+  for (const Param& p : params_) {
+    const at::Tensor& g = p.tensor.grad();
+    if (g.defined()) sum += g.detach().to(at::kDouble).square().sum().item<double>();
+  }
+  return sum;
+}
+
+absl::StatusOr<StepResult> ExpertOptimizer::Step(const StepOptions& o) {
+  RETURN_IF_ERROR(ValidateOptions(o));
+  StepResult result;
+  RETURN_IF_ERROR(CatchTorchErrors([&] {
+    result.grad_norm_squared = GradNormSquared();
+    if (o.step <= last_applied_step_) return absl::OkStatus();
+    at::NoGradGuard no_grad;
+    if (o.grad_scale != 1.0) {
+      for (const Param& p : params_) {
+        if (p.tensor.grad().defined()) p.tensor.grad().mul_(o.grad_scale);
+      }
+    }
+    auto& groups = adamw_->param_groups();
+    for (size_t i = 0; i < groups.size(); ++i) {
+      auto& options = static_cast<torch::optim::AdamWOptions&>(groups[i].options());
+      options.lr(o.lr)
+          .betas(std::make_tuple(o.beta1, o.beta2))
+          .eps(o.eps)
+          .weight_decay(i == 0 ? o.weight_decay : 0.0);
+    }
+    adamw_->step();
+    ZeroGrad();
+    last_applied_step_ = o.step;
+    result.applied = true;
+    return absl::OkStatus();
+  }));
+  result.last_applied_step = last_applied_step_;
+  return result;
+}
+
+void ExpertOptimizer::ZeroGrad() {
+  for (const Param& p : params_) {
+    if (p.tensor.grad().defined()) p.tensor.grad().detach().zero_();
+  }
+}
+
+const ExpertOptimizer::Param* ExpertOptimizer::FindParam(const std::string& name) const {
+  for (const Param& p : params_) {
+    if (p.name == name) return &p;
+  }
+  return nullptr;
+}
+
+std::vector<NamedTensor> ExpertOptimizer::State() const {
+  std::vector<NamedTensor> out;
+  const auto& states = adamw_->state();
+  for (const Param& p : params_) {
+    const auto it = states.find(StateKey(p.tensor));
+    if (it == states.end()) continue;
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    out.emplace_back(p.name + ".exp_avg",
+                     s.exp_avg().detach().to(at::kCPU).clone(at::MemoryFormat::Contiguous));
+    out.emplace_back(p.name + ".exp_avg_sq",
+                     s.exp_avg_sq().detach().to(at::kCPU).clone(at::MemoryFormat::Contiguous));
+    out.emplace_back(p.name + ".step", at::scalar_tensor(s.step(), at::kLong));
+  }
+  out.emplace_back(kLastAppliedStep,
+                   at::scalar_tensor(static_cast<int64_t>(last_applied_step_), at::kLong));
+  return out;
+}
+
+bool ExpertOptimizer::IsStateName(const std::string& name) {
+  std::string param, field;
+  return absl::StartsWith(name, "optimizer.") || SplitStateName(name, &param, &field);
+}
+
+absl::Status ExpertOptimizer::ValidateStateTensor(const std::string& name,
+                                                  c10::ScalarType dtype,
+                                                  at::IntArrayRef shape) const {
+  std::string param_name, field;
+  const Param* param = nullptr;
+  const bool scalar = name == kLastAppliedStep ||
+                      (SplitStateName(name, &param_name, &field) && field == "step");
+  if (name != kLastAppliedStep) {
+    if (!field.empty()) param = FindParam(param_name);
+    if (param == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state: unknown optimizer tensor name '", name,
+          "'; expected layer<L>.<w1|b1|w2|b2>.<exp_avg|exp_avg_sq|step> of a served "
+          "layer, or ", kLastAppliedStep));
+    }
+  }
+  if (scalar) {
+    if (dtype != at::kLong || !shape.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state '", name, "': expected an int64 scalar, got ", c10::toString(dtype), " ",
+          ShapeString(shape)));
+    }
+    return absl::OkStatus();
+  }
+  if (!param->tensor.sizes().equals(shape)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "state '", name, "': shape ", ShapeString(shape), " does not match the parameter's ",
+        ShapeString(param->tensor.sizes())));
+  }
+  if (param->tensor.scalar_type() != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "state '", name, "': dtype ", c10::toString(dtype), " does not match the parameter's ",
+        c10::toString(param->tensor.scalar_type())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExpertOptimizer::SetState(absl::Span<const NamedTensor> tensors) {
+  // param name -> field -> tensor
+  std::map<std::string, std::map<std::string, at::Tensor>> per_param;
+  const at::Tensor* last_applied = nullptr;
+  for (const auto& [name, tensor] : tensors) {
+    if (!tensor.defined()) {
+      return absl::InvalidArgumentError(absl::StrCat("state '", name, "': undefined tensor"));
+    }
+    RETURN_IF_ERROR(ValidateStateTensor(name, tensor.scalar_type(), tensor.sizes()));
+    if (name == kLastAppliedStep) {
+      if (last_applied != nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat("state '", name, "': given twice"));
+      }
+      last_applied = &tensor;
+      continue;
+    }
+    std::string param, field;
+    SplitStateName(name, &param, &field);
+    if (!per_param[param].emplace(field, tensor).second) {
+      return absl::InvalidArgumentError(absl::StrCat("state '", name, "': given twice"));
+    }
+  }
+  for (const auto& [param, fields] : per_param) {
+    if (fields.size() != 3) {
+      std::vector<std::string> missing;
+      for (const char* f : kFields) {
+        if (fields.count(f) == 0) missing.push_back(f);
+      }
+      return absl::InvalidArgumentError(absl::StrCat(
+          "state '", param, "': optimizer state lacks ", absl::StrJoin(missing, ", "),
+          "; exp_avg, exp_avg_sq and step go together"));
+    }
+  }
+  // Build every new entry before touching the optimizer.
+  std::vector<std::pair<std::string, std::unique_ptr<torch::optim::AdamWParamState>>> built;
+  int64_t last_applied_value = 0;
+  RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+    if (last_applied != nullptr) last_applied_value = last_applied->item<int64_t>();
+    for (const auto& [param_name, fields] : per_param) {
+      const int64_t step = fields.at("step").item<int64_t>();
+      if (step < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("state '", param_name, ".step': ", step, "; expected >= 0"));
+      }
+      const at::Tensor& p = FindParam(param_name)->tensor;
+      const auto copy = [&](const at::Tensor& t) {
+        return t.detach().to(p.device(), p.scalar_type()).clone(at::MemoryFormat::Contiguous);
+      };
+      auto state = std::make_unique<torch::optim::AdamWParamState>();
+      state->step(step);
+      state->exp_avg(copy(fields.at("exp_avg")));
+      state->exp_avg_sq(copy(fields.at("exp_avg_sq")));
+      built.emplace_back(StateKey(p), std::move(state));
+    }
+    return absl::OkStatus();
+  }));
+  auto& states = adamw_->state();
+  for (auto& [key, state] : built) states[key] = std::move(state);
+  if (last_applied != nullptr) last_applied_step_ = static_cast<uint64_t>(last_applied_value);
+  return absl::OkStatus();
+}
+
+}  // namespace himoe::expert

@@ -1,0 +1,409 @@
+// LocalExpertCluster (deploy/local/local_cluster.h) with the real himoe-expert:
+// start, answer Info, stop (explicitly, twice, by destruction), report a dead
+// group, refuse a bad binary, and take the experts down with a dead parent.
+//
+// This process makes itself a child subreaper, so that experts orphaned by a
+// dead parent (the death test) are re-parented here and can be reaped; every
+// test checks that it leaves no child behind.
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "deploy/local/local_cluster.h"
+#include "himoe/v1/expert.grpc.pb.h"
+
+namespace himoe::local {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::StartsWith;
+using Clock = std::chrono::steady_clock;
+
+// Generous bounds: a hung process fails the test instead of hanging it.
+constexpr auto kReadyTimeout = std::chrono::seconds(120);
+constexpr auto kGoneBound = std::chrono::seconds(60);
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+void WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::trunc);
+  out << text;
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
+bool ProcessGone(pid_t pid) { return kill(pid, 0) != 0 && errno == ESRCH; }
+
+// True when this process has no child at all, reaped or not.
+bool NoChildLeft() {
+  int status = 0;
+  return waitpid(-1, &status, WNOHANG) < 0 && errno == ECHILD;
+}
+
+// Kills and reaps every child of this process (subreaper: orphaned experts
+// included). A safety net for failing tests; returns how many there were.
+int KillAllChildren() {
+  int n = 0;
+  for (int round = 0; round < 1000; ++round) {
+    int status = 0;
+    const pid_t any = waitpid(-1, &status, WNOHANG);
+    if (any > 0) {
+      ++n;
+      continue;
+    }
+    if (any < 0) return n;  // ECHILD: none left
+    // Children are running: find them in /proc (their parent is us).
+    bool found = false;
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::ifstream stat_file(entry.path() / "stat");
+      std::string line;
+      std::getline(stat_file, line);
+      const size_t close = line.rfind(')');
+      if (close == std::string::npos) continue;
+      std::istringstream rest(line.substr(close + 2));
+      char state = 0;
+      pid_t ppid = 0;
+      rest >> state >> ppid;
+      if (ppid == getpid()) {
+        const pid_t pid = std::stoi(name);
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+        ++n;
+        found = true;
+      }
+    }
+    if (!found) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return n + 1000;  // gave up (some child could not be found or reaped)
+}
+
+// A fresh directory, removed at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    std::string templ = ::testing::TempDir() + "himoe_local_cluster_test_XXXXXX";
+    if (mkdtemp(templ.data()) != nullptr) path_ = templ;
+  }
+  ~TempDir() {
+    if (!path_.empty()) {
+      std::error_code ignored;
+      std::filesystem::remove_all(path_, ignored);
+    }
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// A tiny model: 2 groups x 2 experts, 1 layer, d_model 16.
+ExpertProcessOptions TinyOptions(const std::string& log_dir) {
+  ExpertProcessOptions o;
+  o.binary = HIMOE_EXPERT_BINARY;
+  o.num_groups = 2;
+  o.num_experts = 4;
+  o.num_layers = 1;
+  o.d_model = 16;
+  o.d_ff = 32;
+  o.seed = 3;
+  o.threads = 1;
+  o.log_dir = log_dir;
+  o.ready_timeout = kReadyTimeout;
+  return o;
+}
+
+// Info of the himoe-expert at `address`.
+grpc::Status Info(const std::string& address, v1::ExpertInfoResponse* info) {
+  auto stub = v1::ExpertService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  return stub->Info(&context, v1::ExpertInfoRequest(), info);
+}
+
+class LocalExpertClusterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+    ASSERT_FALSE(dir_.path().empty());
+    ASSERT_TRUE(Exists(HIMOE_EXPERT_BINARY));
+  }
+  void TearDown() override { EXPECT_EQ(KillAllChildren(), 0) << "children were left behind"; }
+
+  TempDir dir_;
+};
+
+TEST_F(LocalExpertClusterTest, StartsAnswersInfoAndStops) {
+  const std::string log_dir = dir_.path() + "/logs";
+  absl::StatusOr<std::unique_ptr<LocalExpertCluster>> started =
+      LocalExpertCluster::Start(TinyOptions(log_dir));
+  ASSERT_TRUE(started.ok()) << started.status();
+  LocalExpertCluster& cluster = **started;
+
+  EXPECT_EQ(cluster.log_dir(), std::filesystem::canonical(log_dir).string());
+  ASSERT_EQ(cluster.addresses().size(), 2u);
+  ASSERT_EQ(cluster.pids().size(), 2u);
+  for (int g = 0; g < 2; ++g) {
+    SCOPED_TRACE(absl::StrCat("group ", g));
+    EXPECT_THAT(cluster.addresses()[g], StartsWith("127.0.0.1:"));
+    EXPECT_NE(cluster.addresses()[g], "127.0.0.1:0");
+    v1::ExpertInfoResponse info;
+    const grpc::Status status = Info(cluster.addresses()[g], &info);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(info.group_id(), g);
+    EXPECT_EQ(info.num_groups(), 2);
+    EXPECT_EQ(info.d_model(), 16);
+    EXPECT_THAT(info.expert_ids(), ::testing::ElementsAre(2 * g, 2 * g + 1));
+    EXPECT_GT(cluster.pids()[g], 0);
+    EXPECT_EQ(kill(cluster.pids()[g], 0), 0) << "pid " << cluster.pids()[g] << " is not running";
+    // Each log is headed by its command line.
+    const std::string log = ReadFile(absl::StrCat(log_dir, "/expert-", g, ".log"));
+    EXPECT_THAT(log, StartsWith("# "));
+    EXPECT_THAT(log, HasSubstr(absl::StrCat("--group_id=", g)));
+    EXPECT_THAT(log, HasSubstr("--address=127.0.0.1"));
+    EXPECT_THAT(log, HasSubstr("--port=0"));
+    EXPECT_TRUE(Exists(absl::StrCat(log_dir, "/expert-", g, ".pid")));
+  }
+  EXPECT_NE(cluster.addresses()[0], cluster.addresses()[1]);
+  EXPECT_TRUE(cluster.CheckAlive().ok()) << cluster.CheckAlive();
+
+  const std::vector<int> pids = cluster.pids();
+  cluster.Stop();
+  for (int pid : pids) {
+    // Stopped and reaped: no zombie left either.
+    EXPECT_TRUE(ProcessGone(pid)) << "pid " << pid << " is still there";
+  }
+  EXPECT_TRUE(NoChildLeft());
+  EXPECT_FALSE(Exists(log_dir + "/expert-0.pid"));
+  EXPECT_FALSE(Exists(log_dir + "/expert-0.port"));
+  EXPECT_TRUE(Exists(log_dir + "/expert-0.log"));  // the logs stay
+
+  cluster.Stop();  // a no-op
+  EXPECT_EQ(cluster.pids(), pids);
+  EXPECT_EQ(cluster.CheckAlive().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(NoChildLeft());
+}
+
+TEST_F(LocalExpertClusterTest, FindsTheBinaryByItselfAndStopsWhenDestroyed) {
+  // No binary given: found in the build tree around this test
+  // (<build>/tests/deploy/ -> <build>/expert_service/); no log directory
+  // given: a fresh one under /tmp.
+  ExpertProcessOptions options = TinyOptions("");
+  options.binary.clear();
+  absl::StatusOr<std::unique_ptr<LocalExpertCluster>> started = LocalExpertCluster::Start(options);
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<LocalExpertCluster> cluster = *std::move(started);
+  const std::string log_dir = cluster->log_dir();
+  EXPECT_THAT(log_dir, StartsWith("/tmp/himoe-experts-"));
+  EXPECT_THAT(ReadFile(log_dir + "/expert-0.log"),
+              StartsWith(absl::StrCat(
+                  "# ", std::filesystem::canonical(HIMOE_EXPERT_BINARY).string(), " ")));
+  const std::vector<int> pids = cluster->pids();
+  ASSERT_EQ(pids.size(), 2u);
+  for (int pid : pids) EXPECT_EQ(kill(pid, 0), 0);
+
+  cluster.reset();
+  for (int pid : pids) EXPECT_TRUE(ProcessGone(pid)) << "pid " << pid << " is still there";
+  EXPECT_TRUE(NoChildLeft());
+  std::error_code ignored;
+  std::filesystem::remove_all(log_dir, ignored);
+}
+
+TEST_F(LocalExpertClusterTest, CheckAliveNamesADeadGroup) {
+  const std::string log_dir = dir_.path() + "/logs";
+  absl::StatusOr<std::unique_ptr<LocalExpertCluster>> started =
+      LocalExpertCluster::Start(TinyOptions(log_dir));
+  ASSERT_TRUE(started.ok()) << started.status();
+  LocalExpertCluster& cluster = **started;
+  ASSERT_TRUE(cluster.CheckAlive().ok());
+  const std::vector<int> pids = cluster.pids();
+
+  ASSERT_EQ(kill(pids[1], SIGKILL), 0);
+  // The kill is asynchronous: bounded wait until CheckAlive sees it.
+  absl::Status alive;
+  const auto until = Clock::now() + kGoneBound;
+  while ((alive = cluster.CheckAlive()).ok() && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_FALSE(alive.ok()) << "CheckAlive did not notice the dead group";
+  EXPECT_THAT(alive.message(), HasSubstr("expert group 1"));
+  EXPECT_THAT(alive.message(), Not(HasSubstr("expert group 0")));
+  EXPECT_THAT(alive.message(), HasSubstr("killed by signal 9"));
+  EXPECT_THAT(alive.message(), HasSubstr(cluster.addresses()[1]));
+  // The tail of its log, which starts with its command line.
+  EXPECT_THAT(alive.message(), HasSubstr(log_dir + "/expert-1.log"));
+  EXPECT_THAT(alive.message(), HasSubstr("    | # "));
+  // Asked again, the same answer; the other group still runs.
+  EXPECT_EQ(cluster.CheckAlive(), alive);
+  EXPECT_EQ(kill(pids[0], 0), 0);
+
+  cluster.Stop();
+  for (int pid : pids) EXPECT_TRUE(ProcessGone(pid)) << "pid " << pid << " is still there";
+  EXPECT_TRUE(NoChildLeft());
+}
+
+TEST_F(LocalExpertClusterTest, RefusesABadBinaryWithoutStartingAnything) {
+  const std::string log_dir = dir_.path() + "/logs";
+  ExpertProcessOptions options = TinyOptions(log_dir);
+  options.binary = dir_.path() + "/no-such-himoe-expert";
+  absl::StatusOr<std::unique_ptr<LocalExpertCluster>> started = LocalExpertCluster::Start(options);
+  ASSERT_FALSE(started.ok());
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(started.status().message(), HasSubstr(options.binary));
+  EXPECT_THAT(started.status().message(), HasSubstr("not an executable file"));
+  EXPECT_FALSE(Exists(log_dir));
+  EXPECT_TRUE(NoChildLeft());
+
+  // A directory is not a binary either.
+  options.binary = dir_.path();
+  started = LocalExpertCluster::Start(options);
+  ASSERT_FALSE(started.ok());
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(NoChildLeft());
+
+  // Nothing to start.
+  options = TinyOptions(log_dir);
+  options.num_groups = 0;
+  started = LocalExpertCluster::Start(options);
+  ASSERT_FALSE(started.ok());
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(NoChildLeft());
+}
+
+TEST_F(LocalExpertClusterTest, ReportsAProcessThatExitsAtOnce) {
+  // An executable that is not a himoe-expert: it prints a line and fails.
+  const std::string fake = dir_.path() + "/fake-expert";
+  WriteFile(fake, "#!/bin/sh\necho fake expert refuses \"$3\"\nexit 3\n");
+  ASSERT_EQ(chmod(fake.c_str(), 0755), 0);
+  const std::string log_dir = dir_.path() + "/logs";
+  ExpertProcessOptions options = TinyOptions(log_dir);
+  options.binary = fake;
+  absl::StatusOr<std::unique_ptr<LocalExpertCluster>> started = LocalExpertCluster::Start(options);
+  ASSERT_FALSE(started.ok());
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kUnavailable) << started.status();
+  EXPECT_THAT(started.status().message(), HasSubstr("expert group "));
+  EXPECT_THAT(started.status().message(), HasSubstr("exited with code 3"));
+  EXPECT_THAT(started.status().message(), HasSubstr("fake expert refuses --group_id="));
+  EXPECT_TRUE(NoChildLeft());
+  EXPECT_FALSE(Exists(log_dir + "/expert-0.pid"));
+}
+
+TEST_F(LocalExpertClusterTest, ReportsAProcessThatNeverGetsReady) {
+  // Starts, prints a line, never serves (and dies on SIGTERM).
+  const std::string fake = dir_.path() + "/fake-expert";
+  WriteFile(fake, "#!/bin/sh\necho fake expert starting\nexec sleep 600\n");
+  ASSERT_EQ(chmod(fake.c_str(), 0755), 0);
+  ExpertProcessOptions options = TinyOptions(dir_.path() + "/logs");
+  options.binary = fake;
+  options.ready_timeout = std::chrono::seconds(2);
+  absl::StatusOr<std::unique_ptr<LocalExpertCluster>> started = LocalExpertCluster::Start(options);
+  ASSERT_FALSE(started.ok());
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kDeadlineExceeded) << started.status();
+  for (const char* group : {"expert group 0", "expert group 1"}) {
+    EXPECT_THAT(started.status().message(), HasSubstr(group));
+  }
+  EXPECT_THAT(started.status().message(), HasSubstr("is not ready after 2 s"));
+  EXPECT_THAT(started.status().message(), HasSubstr("no port file yet"));
+  EXPECT_THAT(started.status().message(), HasSubstr("fake expert starting"));
+  EXPECT_TRUE(NoChildLeft());
+}
+
+// Where the death test's child writes the pids of its experts: named after
+// the parent (this test process), which reads it.
+std::string PidListPath(pid_t test_pid) {
+  return absl::StrCat(::testing::TempDir(), "himoe_local_cluster_orphans_", test_pid);
+}
+
+TEST_F(LocalExpertClusterTest, ExpertsDieWithTheirParent) {
+  // "threadsafe": the child re-executes this test binary rather than forking
+  // a process that has gRPC threads.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const std::string pid_list = PidListPath(getpid());
+  struct Cleanup {
+    std::string path;
+    ~Cleanup() {
+      std::error_code ignored;
+      std::filesystem::remove(path, ignored);
+      std::filesystem::remove_all(path + ".logs", ignored);
+    }
+  } cleanup{pid_list};
+
+  EXPECT_EXIT(
+      {
+        // In the child: start the experts, publish their pids, die without
+        // stopping them.
+        const std::string list = PidListPath(getppid());
+        absl::StatusOr<std::unique_ptr<LocalExpertCluster>> started =
+            LocalExpertCluster::Start(TinyOptions(list + ".logs"));
+        if (!started.ok()) {
+          std::fprintf(stderr, "Start failed: %s\n", started.status().ToString().c_str());
+          std::_Exit(3);
+        }
+        WriteFile(list + ".tmp", absl::StrJoin((*started)->pids(), " "));
+        std::rename((list + ".tmp").c_str(), list.c_str());
+        (void)started->release();
+        std::error_code ignored;  // (this child's fixture never tears down)
+        std::filesystem::remove_all(dir_.path(), ignored);
+        raise(SIGKILL);
+      },
+      ::testing::KilledBySignal(SIGKILL), "");
+
+  std::vector<pid_t> pids;
+  {
+    std::ifstream in(pid_list);
+    for (pid_t pid; in >> pid;) pids.push_back(pid);
+  }
+  ASSERT_EQ(pids.size(), 2u) << "the child did not start its experts";
+  // They were re-parented to this subreaper: reap them as they end.
+  for (pid_t pid : pids) {
+    const auto until = Clock::now() + kGoneBound;
+    int status = 0;
+    pid_t r = 0;
+    while ((r = waitpid(pid, &status, WNOHANG)) == 0 && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    EXPECT_EQ(r, pid) << "expert pid " << pid << " outlived its parent";
+    if (r == pid) {
+      // SIGTERM from PR_SET_PDEATHSIG: the expert shut down by itself.
+      EXPECT_TRUE(WIFEXITED(status) || (WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM))
+          << "wait status " << status;
+    }
+  }
+  EXPECT_TRUE(NoChildLeft());
+}
+
+}  // namespace
+}  // namespace himoe::local

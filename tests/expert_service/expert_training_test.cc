@@ -1,0 +1,918 @@
+// The training half of the expert service: ExpertOptimizer, save-for-backward
+// Forward, Backward, Step, Abort, the saved-state TTL and the optimizer state,
+// in process and over gRPC, against local autograd and torch::optim::AdamW.
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/optim/adamw.h>
+
+#include "common/tensor_codec.h"
+#include "expert_service/expert_group.h"
+#include "expert_service/expert_grpc_service.h"
+#include "expert_service/expert_optimizer.h"
+#include "expert_service/expert_service_core.h"
+#include "himoe/v1/expert.grpc.pb.h"
+
+namespace himoe::expert {
+namespace {
+
+using ::testing::Contains;
+using ::testing::HasSubstr;
+
+constexpr int kGroup = 1;
+constexpr int kNumGroups = 4;
+constexpr int kNumExperts = 8;  // experts 2 and 3 are served
+constexpr int kLayers = 2;
+constexpr int64_t kD = 8;
+constexpr int64_t kDff = 16;
+constexpr uint64_t kSeed = 42;
+
+using Inputs = std::vector<std::pair<int, at::Tensor>>;  // (expert id, rows)
+
+ExpertServiceOptions CoreOptions(absl::Duration ttl = absl::Seconds(300)) {
+  ExpertServiceOptions o;
+  o.group_id = kGroup;
+  o.num_groups = kNumGroups;
+  o.num_experts = kNumExperts;
+  o.num_layers = kLayers;
+  o.d_model = kD;
+  o.d_ff = kDff;
+  o.seed = kSeed;
+  o.saved_state_ttl = ttl;
+  return o;
+}
+
+std::unique_ptr<ExpertServiceCore> MakeCore(absl::Duration ttl = absl::Seconds(300)) {
+  auto core = ExpertServiceCore::Create(CoreOptions(ttl));
+  EXPECT_TRUE(core.ok()) << core.status();
+  return core.ok() ? std::move(*core) : nullptr;
+}
+
+// The same experts as the service's layer `layer`.
+std::unique_ptr<ExpertGroup> LocalGroup(int layer) {
+  ExpertGroupOptions g;
+  g.group_id = kGroup;
+  g.experts_per_group = kNumExperts / kNumGroups;
+  g.d_model = kD;
+  g.d_ff = kDff;
+  g.layer = layer;
+  g.seed = kSeed;
+  auto group = ExpertGroup::Create(g);
+  EXPECT_TRUE(group.ok()) << group.status();
+  return std::move(group).value();
+}
+
+v1::Tensor Encode(const at::Tensor& t) {
+  v1::Tensor proto;
+  EXPECT_TRUE(EncodeTensor(t, &proto).ok());
+  return proto;
+}
+
+at::Tensor Decode(const v1::Tensor& proto) {
+  auto t = DecodeTensor(proto);
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? *t : at::Tensor();
+}
+
+double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 && b.numel() == 0) return 0;
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+struct Key {
+  uint64_t step = 1;
+  uint32_t micro_batch = 0;
+  int layer = 1;
+  uint64_t request_id = 0;
+};
+
+v1::ExpertForwardRequest ForwardRequest(const Key& key, const Inputs& inputs,
+                                        bool save = true) {
+  v1::ExpertForwardRequest r;
+  r.set_layer(key.layer);
+  r.set_step(key.step);
+  r.set_micro_batch(key.micro_batch);
+  r.set_request_id(key.request_id);
+  r.set_save_for_backward(save);
+  for (const auto& [expert, rows] : inputs) {
+    v1::ExpertRows* in = r.add_inputs();
+    in->set_expert_id(expert);
+    *in->mutable_rows() = Encode(rows);
+  }
+  return r;
+}
+
+v1::ExpertBackwardRequest BackwardRequest(const Key& key, const Inputs& inputs,
+                                          const std::vector<at::Tensor>& grads) {
+  v1::ExpertBackwardRequest r;
+  r.set_layer(key.layer);
+  r.set_step(key.step);
+  r.set_micro_batch(key.micro_batch);
+  r.set_request_id(key.request_id);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    v1::ExpertRows* g = r.add_output_grads();
+    g->set_expert_id(inputs[i].first);
+    *g->mutable_rows() = Encode(grads[i]);
+  }
+  return r;
+}
+
+Inputs RandomInputs(const std::vector<std::pair<int, int64_t>>& shape) {
+  Inputs inputs;
+  for (const auto& [expert, n] : shape) inputs.emplace_back(expert, at::randn({n, kD}));
+  return inputs;
+}
+
+std::vector<at::Tensor> RandomGrads(const Inputs& inputs) {
+  std::vector<at::Tensor> grads;
+  for (const auto& [expert, rows] : inputs) grads.push_back(at::randn({rows.size(0), kD}));
+  return grads;
+}
+
+// Forward with save_for_backward then Backward on the core; the input grads.
+std::vector<at::Tensor> CoreForwardBackward(ExpertServiceCore* core, const Key& key,
+                                            const Inputs& inputs,
+                                            const std::vector<at::Tensor>& grads) {
+  v1::ExpertForwardResponse forward;
+  const absl::Status f = core->Forward(ForwardRequest(key, inputs), &forward);
+  EXPECT_TRUE(f.ok()) << f;
+  v1::ExpertBackwardResponse backward;
+  const absl::Status b = core->Backward(BackwardRequest(key, inputs, grads), &backward);
+  EXPECT_TRUE(b.ok()) << b;
+  std::vector<at::Tensor> out;
+  for (const v1::ExpertRows& g : backward.input_grads()) out.push_back(Decode(g.rows()));
+  return out;
+}
+
+// The oracle: one leaf and one Forward per input on a local group, autograd.
+std::vector<at::Tensor> LocalForwardBackward(const ExpertGroup& group, const Inputs& inputs,
+                                             const std::vector<at::Tensor>& grads) {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor x = inputs[i].second.clone().requires_grad_(true);
+    auto y = group.Forward(x, at::full({x.size(0)}, inputs[i].first, at::kLong));
+    EXPECT_TRUE(y.ok()) << y.status();
+    if (x.size(0) == 0) {
+      out.push_back(at::zeros_like(x));
+      continue;
+    }
+    torch::autograd::backward({*y}, {grads[i]});
+    out.push_back(x.grad());
+  }
+  return out;
+}
+
+double LocalGradNormSquared(const std::vector<const ExpertGroup*>& groups) {
+  double sum = 0;
+  for (const ExpertGroup* g : groups) {
+    for (const at::Tensor& p : g->parameters()) {
+      if (p.grad().defined()) sum += p.grad().to(at::kDouble).square().sum().item<double>();
+    }
+  }
+  return sum;
+}
+
+double CoreGradNormSquared(ExpertServiceCore* core) {
+  v1::ExpertStepRequest request;
+  request.set_norm_only(true);
+  v1::ExpertStepResponse response;
+  EXPECT_TRUE(core->Step(request, &response).ok());
+  EXPECT_FALSE(response.applied());
+  return response.grad_norm_squared();
+}
+
+v1::ExpertStepRequest StepRequest(uint64_t step, double grad_scale = 1.0) {
+  v1::ExpertStepRequest r;
+  r.set_step(step);
+  r.set_learning_rate(1e-2);
+  r.set_grad_scale(grad_scale);
+  r.set_weight_decay(0.1);
+  r.set_beta1(0.8);
+  r.set_beta2(0.95);
+  r.set_eps(1e-6);
+  return r;
+}
+
+// The local AdamW equivalent of StepRequest: w1/w2 decayed, b1/b2 not.
+std::unique_ptr<torch::optim::AdamW> LocalAdamW(const std::vector<ExpertGroup*>& groups) {
+  using torch::optim::AdamWOptions;
+  std::vector<at::Tensor> decayed, plain;
+  for (ExpertGroup* g : groups) {
+    for (const auto& [name, p] : g->named_parameters()) {
+      (name == "w1" || name == "w2" ? decayed : plain).push_back(p);
+    }
+  }
+  const AdamWOptions o =
+      AdamWOptions(1e-2).betas(std::make_tuple(0.8, 0.95)).eps(1e-6).weight_decay(0.1);
+  std::vector<torch::optim::OptimizerParamGroup> param_groups;
+  param_groups.emplace_back(decayed, std::make_unique<AdamWOptions>(o));
+  param_groups.emplace_back(plain,
+                            std::make_unique<AdamWOptions>(AdamWOptions(o).weight_decay(0)));
+  return std::make_unique<torch::optim::AdamW>(std::move(param_groups));
+}
+
+std::vector<NamedTensor> Weights(const ExpertServiceCore& core) {
+  auto state = core.GetState();
+  EXPECT_TRUE(state.ok()) << state.status();
+  return state.ok() ? *state : std::vector<NamedTensor>();
+}
+
+bool SameWeights(const std::vector<NamedTensor>& a, const std::vector<NamedTensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].first != b[i].first || !at::equal(a[i].second, b[i].second)) return false;
+  }
+  return true;
+}
+
+// --- ExpertOptimizer ------------------------------------------------------------
+
+TEST(ExpertOptimizerTest, WeightDecayOnlyOnW1AndW2) {
+  auto group = LocalGroup(0);
+  auto opt = ExpertOptimizer::Create({group.get()});
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  std::vector<at::Tensor> before;
+  for (const at::Tensor& p : group->parameters()) {
+    before.push_back(p.detach().clone());
+    p.mutable_grad() = at::zeros_like(p);
+  }
+  StepOptions o;
+  o.step = 1;
+  o.lr = 0.1;
+  o.weight_decay = 0.5;
+  auto result = (*opt)->Step(o);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->applied);
+  EXPECT_EQ(result->last_applied_step, 1u);
+  EXPECT_EQ(result->grad_norm_squared, 0.0);
+  const auto params = group->named_parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    SCOPED_TRACE(params[i].first);
+    const at::Tensor& now = params[i].second;
+    if (params[i].first == "b1" || params[i].first == "b2") {
+      EXPECT_TRUE(at::equal(now, before[i]));
+    } else {
+      EXPECT_FALSE(at::equal(now, before[i]));
+      EXPECT_LE(MaxAbsDiff(now, before[i] - 0.1 * 0.5 * before[i]), 1e-7);
+    }
+  }
+  // State for every parameter: it had a (zero) grad.
+  const auto state = (*opt)->State();
+  ASSERT_EQ(state.size(), 4u * 3 + 1);
+  EXPECT_EQ(state[0].first, "layer0.w1.exp_avg");
+  EXPECT_EQ(state[2].first, "layer0.w1.step");
+  EXPECT_EQ(state[2].second.item<int64_t>(), 1);
+  EXPECT_EQ(state.back().first, "optimizer.last_applied_step");
+  EXPECT_EQ(state.back().second.item<int64_t>(), 1);
+}
+
+TEST(ExpertOptimizerTest, RejectsBadOptionsNamingTheField) {
+  auto group = LocalGroup(0);
+  auto opt = ExpertOptimizer::Create({group.get()});
+  ASSERT_TRUE(opt.ok());
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const struct {
+    std::function<void(StepOptions*)> mutate;
+    std::string field;
+  } cases[] = {
+      {[](StepOptions* o) { o->lr = -1; }, "learning_rate: -1"},
+      {[&](StepOptions* o) { o->grad_scale = nan; }, "grad_scale: nan"},
+      {[](StepOptions* o) { o->grad_scale = -0.5; }, "grad_scale: -0.5"},
+      {[](StepOptions* o) { o->weight_decay = -1; }, "weight_decay: -1"},
+      {[](StepOptions* o) { o->beta1 = 1; }, "beta1: 1; expected in [0, 1)"},
+      {[](StepOptions* o) { o->beta2 = -0.1; }, "beta2: -0.1"},
+      {[](StepOptions* o) { o->eps = 0; }, "eps: 0; expected finite > 0"},
+  };
+  for (const auto& c : cases) {
+    StepOptions o;
+    o.step = 1;
+    c.mutate(&o);
+    const auto result = (*opt)->Step(o);
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(result.status().message()), HasSubstr(c.field));
+  }
+  EXPECT_EQ((*opt)->last_applied_step(), 0u);
+  EXPECT_EQ(ExpertOptimizer::Create({}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(ExpertOptimizer::Create({group.get(), group.get()}).status().message()),
+              HasSubstr("layer 0 appears twice"));
+}
+
+TEST(ExpertOptimizerTest, StepIsIdempotentPerStepId) {
+  auto group = LocalGroup(1);
+  auto opt = ExpertOptimizer::Create({group.get()});
+  ASSERT_TRUE(opt.ok());
+  const auto set_grads = [&] {
+    for (const at::Tensor& p : group->parameters()) p.mutable_grad() = at::randn_like(p);
+  };
+  const auto snapshot = [&] {
+    std::vector<at::Tensor> w;
+    for (const at::Tensor& p : group->parameters()) w.push_back(p.detach().clone());
+    return w;
+  };
+  const auto equal = [](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (!at::equal(a[i], b[i])) return false;
+    }
+    return true;
+  };
+  set_grads();
+  StepOptions o;
+  o.step = 3;
+  auto first = (*opt)->Step(o);
+  ASSERT_TRUE(first.ok() && first->applied);
+  EXPECT_EQ((*opt)->GradNormSquared(), 0.0);  // zeroed
+  const auto after_first = snapshot();
+  set_grads();
+  const double pending = (*opt)->GradNormSquared();
+  for (const uint64_t step : {3, 2, 0}) {
+    o.step = step;
+    auto again = (*opt)->Step(o);
+    ASSERT_TRUE(again.ok());
+    EXPECT_FALSE(again->applied) << step;
+    EXPECT_EQ(again->last_applied_step, 3u);
+    EXPECT_TRUE(equal(snapshot(), after_first)) << step;
+    EXPECT_EQ((*opt)->GradNormSquared(), pending) << "grads must be left alone";
+  }
+  o.step = 4;
+  auto next = (*opt)->Step(o);
+  ASSERT_TRUE(next.ok() && next->applied);
+  EXPECT_EQ(next->grad_norm_squared, pending);
+  EXPECT_FALSE(equal(snapshot(), after_first));
+}
+
+TEST(ExpertOptimizerTest, StateRoundTripsAndBadStateIsRefused) {
+  auto g0 = LocalGroup(0), g1 = LocalGroup(1);
+  auto opt = ExpertOptimizer::Create({g0.get(), g1.get()});
+  ASSERT_TRUE(opt.ok());
+  // Only layer 1 gets grads: layer 0 has no optimizer state.
+  for (const at::Tensor& p : g1->parameters()) p.mutable_grad() = at::randn_like(p);
+  StepOptions o;
+  o.step = 7;
+  ASSERT_TRUE((*opt)->Step(o).ok());
+  const auto state = (*opt)->State();
+  ASSERT_EQ(state.size(), 4u * 3 + 1);
+  EXPECT_EQ(state[0].first, "layer1.w1.exp_avg");
+  EXPECT_EQ(state[1].first, "layer1.w1.exp_avg_sq");
+
+  auto f0 = LocalGroup(0), f1 = LocalGroup(1);
+  auto fresh = ExpertOptimizer::Create({f0.get(), f1.get()});
+  ASSERT_TRUE(fresh.ok());
+  const auto bad = [&](std::vector<NamedTensor> tensors, const std::string& message) {
+    const absl::Status s = (*fresh)->SetState(tensors);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << message;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(message));
+  };
+  bad({{"layer2.w1.exp_avg", at::zeros({2, kDff, kD})}},
+      "unknown optimizer tensor name 'layer2.w1.exp_avg'");
+  bad({{"layer0.w1.exp_avg", at::zeros({2, kDff, kD + 1})}},
+      "state 'layer0.w1.exp_avg': shape [2, 16, 9] does not match the parameter's [2, 16, 8]");
+  bad({{"layer0.b1.exp_avg", at::zeros({2, kDff}, at::kBFloat16)}},
+      "state 'layer0.b1.exp_avg': dtype BFloat16 does not match");
+  bad({{"layer0.b1.step", at::ones({1}, at::kLong)}},
+      "state 'layer0.b1.step': expected an int64 scalar, got Long [1]");
+  bad({{"optimizer.last_applied_step", at::scalar_tensor(1.0)}},
+      "state 'optimizer.last_applied_step': expected an int64 scalar");
+  bad({{"layer0.b1.exp_avg", at::zeros({2, kDff})}, {"layer0.b1.step", at::scalar_tensor(1, at::kLong)}},
+      "state 'layer0.b1': optimizer state lacks exp_avg_sq");
+  bad({state[0], state[0]}, "given twice");
+  EXPECT_TRUE((*fresh)->State().size() == 1u) << "a refused SetState applies nothing";
+  EXPECT_EQ((*fresh)->last_applied_step(), 0u);
+
+  ASSERT_TRUE((*fresh)->SetState(state).ok());
+  EXPECT_EQ((*fresh)->last_applied_step(), 7u);
+  const auto restored = (*fresh)->State();
+  ASSERT_EQ(restored.size(), state.size());
+  for (size_t i = 0; i < state.size(); ++i) {
+    EXPECT_EQ(restored[i].first, state[i].first);
+    EXPECT_TRUE(at::equal(restored[i].second, state[i].second)) << state[i].first;
+  }
+}
+
+// --- ExpertServiceCore, in process ---------------------------------------------------
+
+TEST(ExpertTrainingCoreTest, BackwardMatchesLocalAutograd) {
+  auto core = MakeCore();
+  const Key key{/*step=*/1, /*micro_batch=*/0, /*layer=*/1, /*request_id=*/9};
+  const Inputs inputs = RandomInputs({{3, 5}, {2, 3}, {3, 0}, {2, 4}});
+  const std::vector<at::Tensor> grads = RandomGrads(inputs);
+  const std::vector<at::Tensor> got = CoreForwardBackward(core.get(), key, inputs, grads);
+  EXPECT_EQ(core->pending_saved(), 0);
+
+  const auto local = LocalGroup(1);
+  const std::vector<at::Tensor> want = LocalForwardBackward(*local, inputs, grads);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].scalar_type(), at::kFloat);
+    ASSERT_EQ(got[i].sizes(), want[i].sizes()) << i;
+    EXPECT_LE(MaxAbsDiff(got[i], want[i]), 1e-6) << i;
+  }
+  // Parameter grads, one by one, then the norm the coordinator would see.
+  const auto core_params = core->group(1)->named_parameters();
+  const auto local_params = local->named_parameters();
+  for (size_t i = 0; i < core_params.size(); ++i) {
+    ASSERT_TRUE(core_params[i].second.grad().defined()) << core_params[i].first;
+    EXPECT_LE(MaxAbsDiff(core_params[i].second.grad(), local_params[i].second.grad()), 1e-6)
+        << core_params[i].first;
+  }
+  for (const at::Tensor& p : core->group(0)->parameters()) EXPECT_FALSE(p.grad().defined());
+  const double want_norm = LocalGradNormSquared({local.get()});
+  EXPECT_GT(want_norm, 0);
+  EXPECT_NEAR(CoreGradNormSquared(core.get()), want_norm, 1e-6 * want_norm);
+}
+
+TEST(ExpertTrainingCoreTest, Bf16OutputGradsGiveBf16InputGrads) {
+  auto core = MakeCore();
+  const Key key{1, 0, 0, 0};
+  const Inputs inputs = RandomInputs({{2, 3}});
+  const std::vector<at::Tensor> grads = {at::randn({3, kD}).to(at::kBFloat16)};
+  const std::vector<at::Tensor> got = CoreForwardBackward(core.get(), key, inputs, grads);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].scalar_type(), at::kBFloat16);
+  const auto want = LocalForwardBackward(*LocalGroup(0), inputs, {grads[0].to(at::kFloat)});
+  EXPECT_LE(MaxAbsDiff(got[0], want[0]), 1e-2 * (1 + want[0].abs().max().item<double>()));
+}
+
+TEST(ExpertTrainingCoreTest, StepMatchesTorchAdamW) {
+  auto core = MakeCore();
+  auto l0 = LocalGroup(0), l1 = LocalGroup(1);
+  auto adamw = LocalAdamW({l0.get(), l1.get()});
+  const std::vector<const ExpertGroup*> local = {l0.get(), l1.get()};
+  for (const uint64_t step : {1, 2}) {
+    SCOPED_TRACE(step);
+    const double scale = step == 1 ? 1.0 : 0.5;
+    for (uint32_t mb = 0; mb < 2; ++mb) {
+      for (int layer = 0; layer < kLayers; ++layer) {
+        const Inputs inputs = RandomInputs({{2, 3 + mb}, {3, 4}});
+        CoreForwardBackward(core.get(), Key{step, mb, layer, 0}, inputs, RandomGrads(inputs));
+      }
+    }
+    // The local group gets exactly the core's grads, scaled as the core will.
+    double want_norm = 0;
+    for (int layer = 0; layer < kLayers; ++layer) {
+      const auto core_params = core->group(layer)->parameters();
+      const auto local_params = local[layer]->parameters();
+      for (size_t i = 0; i < core_params.size(); ++i) {
+        const at::Tensor g = core_params[i].grad().clone();
+        want_norm += g.to(at::kDouble).square().sum().item<double>();
+        local_params[i].mutable_grad() = g.mul_(scale);
+      }
+    }
+    v1::ExpertStepResponse response;
+    ASSERT_TRUE(core->Step(StepRequest(step, scale), &response).ok());
+    EXPECT_TRUE(response.applied());
+    EXPECT_EQ(response.last_applied_step(), step);
+    EXPECT_NEAR(response.grad_norm_squared(), want_norm, 1e-9 * want_norm);
+    adamw->step();
+    adamw->zero_grad();
+
+    const auto weights = Weights(*core);
+    ASSERT_EQ(weights.size(), 8u);
+    for (int layer = 0; layer < kLayers; ++layer) {
+      const auto params = local[layer]->named_parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const NamedTensor& w = weights[layer * 4 + i];
+        EXPECT_EQ(w.first, "layer" + std::to_string(layer) + "." + params[i].first);
+        EXPECT_LE(MaxAbsDiff(w.second, params[i].second.detach()), 1e-6) << w.first;
+      }
+    }
+    EXPECT_EQ(CoreGradNormSquared(core.get()), 0.0) << "grads are zeroed after a step";
+  }
+  EXPECT_EQ(core->Info().last_applied_step, 2u);
+}
+
+TEST(ExpertTrainingCoreTest, RepeatedOrOlderStepChangesNothing) {
+  auto core = MakeCore();
+  const auto backward = [&](uint64_t step) {
+    const Inputs inputs = RandomInputs({{2, 4}, {3, 2}});
+    CoreForwardBackward(core.get(), Key{step, 0, 1, 0}, inputs, RandomGrads(inputs));
+  };
+  backward(1);
+  v1::ExpertStepResponse r;
+  ASSERT_TRUE(core->Step(StepRequest(1), &r).ok());
+  ASSERT_TRUE(r.applied());
+  const auto after_first = Weights(*core);
+  ASSERT_TRUE(core->Step(StepRequest(1), &r).ok());  // a retried RPC
+  EXPECT_FALSE(r.applied());
+  EXPECT_EQ(r.last_applied_step(), 1u);
+  EXPECT_TRUE(SameWeights(Weights(*core), after_first));
+
+  backward(2);
+  ASSERT_TRUE(core->Step(StepRequest(2), &r).ok());
+  ASSERT_TRUE(r.applied());
+  const auto after_second = Weights(*core);
+  EXPECT_FALSE(SameWeights(after_second, after_first));
+  backward(3);
+  const double pending = CoreGradNormSquared(core.get());
+  ASSERT_TRUE(core->Step(StepRequest(1, 0.5), &r).ok());  // older id
+  EXPECT_FALSE(r.applied());
+  EXPECT_EQ(r.last_applied_step(), 2u);
+  EXPECT_TRUE(SameWeights(Weights(*core), after_second));
+  EXPECT_EQ(CoreGradNormSquared(core.get()), pending);
+
+  v1::ExpertStepRequest bad = StepRequest(3);
+  bad.set_eps(0);  // proto default: must be set
+  const absl::Status s = core->Step(bad, &r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("eps: 0"));
+  EXPECT_EQ(core->last_applied_step(), 2u);
+}
+
+TEST(ExpertTrainingCoreTest, BackwardAfterTheWeightsChangedIsFailedPrecondition) {
+  auto core = MakeCore();
+  const Inputs inputs = RandomInputs({{2, 2}});
+  const std::vector<at::Tensor> grads = RandomGrads(inputs);
+  const auto forward = [&](const Key& key) {
+    v1::ExpertForwardResponse response;
+    ASSERT_TRUE(core->Forward(ForwardRequest(key, inputs), &response).ok());
+  };
+  const auto expect_stale = [&](const Key& key) {
+    v1::ExpertBackwardResponse response;
+    const absl::Status s = core->Backward(BackwardRequest(key, inputs, grads), &response);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("the weights changed"));
+    EXPECT_EQ(core->pending_saved(), 0);
+  };
+  forward(Key{2, 0, 1, 0});
+  v1::ExpertStepResponse r;
+  ASSERT_TRUE(core->Step(StepRequest(1), &r).ok());
+  ASSERT_TRUE(r.applied());
+  expect_stale(Key{2, 0, 1, 0});
+
+  forward(Key{2, 0, 1, 1});
+  ASSERT_TRUE(core->SetState(Weights(*core)).ok());
+  expect_stale(Key{2, 0, 1, 1});
+
+  // A step that applies nothing leaves saved Forwards usable.
+  forward(Key{2, 0, 1, 2});
+  ASSERT_TRUE(core->Step(StepRequest(1), &r).ok());
+  ASSERT_FALSE(r.applied());
+  EXPECT_EQ(CoreForwardBackward(core.get(), Key{2, 1, 1, 0}, inputs, grads).size(), 1u);
+  v1::ExpertBackwardResponse response;
+  EXPECT_TRUE(core->Backward(BackwardRequest(Key{2, 0, 1, 2}, inputs, grads), &response).ok());
+}
+
+TEST(ExpertTrainingCoreTest, ConcurrentSavedForwardsAccumulateLikeSequential) {
+  auto concurrent = MakeCore();
+  auto sequential = MakeCore();
+  constexpr int kThreads = 4;
+  constexpr int kPerThread = 3;
+  std::vector<std::vector<Inputs>> inputs(kThreads);
+  std::vector<std::vector<std::vector<at::Tensor>>> grads(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    for (int j = 0; j < kPerThread; ++j) {
+      inputs[t].push_back(RandomInputs({{2, 3}, {3, 5}}));
+      grads[t].push_back(RandomGrads(inputs[t].back()));
+    }
+  }
+  std::vector<std::vector<std::vector<at::Tensor>>> input_grads(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int j = 0; j < kPerThread; ++j) {
+        const Key key{1, static_cast<uint32_t>(t), 1, static_cast<uint64_t>(j)};
+        input_grads[t].push_back(
+            CoreForwardBackward(concurrent.get(), key, inputs[t][j], grads[t][j]));
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(concurrent->pending_saved(), 0);
+  for (int t = 0; t < kThreads; ++t) {
+    for (int j = 0; j < kPerThread; ++j) {
+      const Key key{1, static_cast<uint32_t>(t), 1, static_cast<uint64_t>(j)};
+      const auto want = CoreForwardBackward(sequential.get(), key, inputs[t][j], grads[t][j]);
+      ASSERT_EQ(input_grads[t][j].size(), want.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_LE(MaxAbsDiff(input_grads[t][j][i], want[i]), 1e-6) << t << "/" << j << "/" << i;
+      }
+    }
+  }
+  const double want = CoreGradNormSquared(sequential.get());
+  EXPECT_NEAR(CoreGradNormSquared(concurrent.get()), want, 1e-5 * want);
+  v1::ExpertStepResponse r;
+  ASSERT_TRUE(concurrent->Step(StepRequest(1), &r).ok());
+  ASSERT_TRUE(sequential->Step(StepRequest(1), &r).ok());
+  const auto a = Weights(*concurrent), b = Weights(*sequential);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_LE(MaxAbsDiff(a[i].second, b[i].second), 1e-5) << a[i].first;
+  }
+}
+
+TEST(ExpertTrainingCoreTest, OptimizerStateSurvivesAStateFile) {
+  auto source = MakeCore();
+  for (const uint64_t step : {1, 2}) {
+    const Inputs inputs = RandomInputs({{2, 4}, {3, 3}});
+    CoreForwardBackward(source.get(), Key{step, 0, 1, 0}, inputs, RandomGrads(inputs));
+    v1::ExpertStepResponse r;
+    ASSERT_TRUE(source->Step(StepRequest(step), &r).ok());
+  }
+  const std::string path = ::testing::TempDir() + "/expert_train_state_" +
+                           std::to_string(getpid()) + ".bin";
+  ASSERT_TRUE(SaveStateToFile(*source, path, 64, /*include_optimizer=*/true).ok());
+  auto target = MakeCore();
+  const absl::Status loaded = LoadStateFromFile(path, target.get());
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  std::remove(path.c_str());
+  EXPECT_EQ(target->last_applied_step(), 2u);
+  auto a = source->GetState(true), b = target->GetState(true);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(SameWeights(*a, *b));
+  EXPECT_THAT(
+      [&] {
+        std::vector<std::string> names;
+        for (const auto& [name, t] : *b) names.push_back(name);
+        return names;
+      }(),
+      Contains("layer1.b2.exp_avg_sq"));
+}
+
+// --- Over gRPC ------------------------------------------------------------------
+
+class ExpertTrainingGrpcTest : public ::testing::Test {
+ protected:
+  void SetUp() override { StartServer(absl::Seconds(300)); }
+  void TearDown() override { StopServer(); }
+
+  void StartServer(absl::Duration ttl) {
+    StopServer();
+    ExpertServerOptions options;
+    options.core = CoreOptions(ttl);
+    options.address = "127.0.0.1:0";
+    auto server = ExpertServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    stub_ = v1::ExpertService::NewStub(
+        grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
+  }
+  void StopServer() {
+    stub_.reset();
+    if (server_ != nullptr) {
+      server_->Shutdown(absl::Seconds(5));
+      server_->Wait();
+      server_.reset();
+    }
+  }
+
+  static std::unique_ptr<grpc::ClientContext> Context() {
+    auto context = std::make_unique<grpc::ClientContext>();
+    context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    return context;
+  }
+  grpc::Status Forward(const Key& key, const Inputs& inputs) {
+    v1::ExpertForwardResponse response;
+    return stub_->Forward(Context().get(), ForwardRequest(key, inputs), &response);
+  }
+  grpc::Status Backward(const v1::ExpertBackwardRequest& request,
+                        v1::ExpertBackwardResponse* response) {
+    return stub_->Backward(Context().get(), request, response);
+  }
+  int64_t Abort(uint64_t step) {
+    v1::ExpertAbortRequest request;
+    request.set_step(step);
+    v1::ExpertAbortResponse response;
+    const grpc::Status s = stub_->Abort(Context().get(), request, &response);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return response.freed();
+  }
+  v1::ExpertInfoResponse Info() {
+    v1::ExpertInfoResponse info;
+    const grpc::Status s = stub_->Info(Context().get(), v1::ExpertInfoRequest(), &info);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return info;
+  }
+
+  std::unique_ptr<ExpertServer> server_;
+  std::unique_ptr<v1::ExpertService::Stub> stub_;
+};
+
+TEST_F(ExpertTrainingGrpcTest, BackwardAndStepMatchLocal) {
+  const Key key{1, 0, 1, 5};
+  const Inputs inputs = RandomInputs({{2, 6}, {3, 2}});
+  const std::vector<at::Tensor> grads = RandomGrads(inputs);
+  ASSERT_TRUE(Forward(key, inputs).ok());
+  EXPECT_EQ(Info().pending_saved(), 1);
+  v1::ExpertBackwardResponse backward;
+  const grpc::Status b = Backward(BackwardRequest(key, inputs, grads), &backward);
+  ASSERT_TRUE(b.ok()) << b.error_message();
+  const auto local = LocalGroup(1);
+  const auto want = LocalForwardBackward(*local, inputs, grads);
+  ASSERT_EQ(backward.input_grads_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(backward.input_grads(i).expert_id(), inputs[i].first);
+    EXPECT_LE(MaxAbsDiff(Decode(backward.input_grads(i).rows()), want[i]), 1e-6) << i;
+  }
+  v1::ExpertStepRequest norm_only;
+  norm_only.set_norm_only(true);
+  v1::ExpertStepResponse step;
+  ASSERT_TRUE(stub_->Step(Context().get(), norm_only, &step).ok());
+  const double want_norm = LocalGradNormSquared({local.get()});
+  EXPECT_NEAR(step.grad_norm_squared(), want_norm, 1e-6 * want_norm);
+  EXPECT_FALSE(step.applied());
+
+  ASSERT_TRUE(stub_->Step(Context().get(), StepRequest(1), &step).ok());
+  EXPECT_TRUE(step.applied());
+  EXPECT_EQ(step.last_applied_step(), 1u);
+  EXPECT_NEAR(step.grad_norm_squared(), want_norm, 1e-6 * want_norm);
+  const v1::ExpertInfoResponse info = Info();
+  EXPECT_EQ(info.last_applied_step(), 1u);
+  EXPECT_EQ(info.pending_saved(), 0);
+
+  // A bad Step is INVALID_ARGUMENT over the wire too.
+  v1::ExpertStepRequest bad = StepRequest(2);
+  bad.set_beta2(1.0);
+  const grpc::Status s = stub_->Step(Context().get(), bad, &step);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("beta2"));
+}
+
+TEST_F(ExpertTrainingGrpcTest, SavedStatesNeverLeak) {
+  const Inputs inputs = RandomInputs({{3, 2}});
+  const std::vector<at::Tensor> grads = RandomGrads(inputs);
+  EXPECT_EQ(Info().pending_saved(), 0);
+  ASSERT_TRUE(Forward(Key{5, 0, 1, 1}, inputs).ok());
+  ASSERT_TRUE(Forward(Key{5, 1, 0, 1}, inputs).ok());
+  ASSERT_TRUE(Forward(Key{6, 0, 1, 1}, inputs).ok());
+  EXPECT_EQ(Info().pending_saved(), 3);
+
+  const grpc::Status dup = Forward(Key{5, 0, 1, 1}, inputs);
+  EXPECT_EQ(dup.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_THAT(dup.error_message(),
+              HasSubstr("(step=5, micro_batch=0, layer=1, request_id=1)"));
+  EXPECT_EQ(Info().pending_saved(), 3);
+
+  EXPECT_EQ(Abort(7), 0);
+  EXPECT_EQ(Abort(5), 2);
+  EXPECT_EQ(Info().pending_saved(), 1);
+  v1::ExpertBackwardResponse response;
+  grpc::Status s = Backward(BackwardRequest(Key{5, 0, 1, 1}, inputs, grads), &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("(step=5, micro_batch=0, layer=1, request_id=1)"));
+
+  // A consumed Backward frees its state; a second one finds nothing.
+  s = Backward(BackwardRequest(Key{6, 0, 1, 1}, inputs, grads), &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(Info().pending_saved(), 0);
+  s = Backward(BackwardRequest(Key{6, 0, 1, 1}, inputs, grads), &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // Abort(0) drops every step.
+  ASSERT_TRUE(Forward(Key{8, 0, 1, 1}, inputs).ok());
+  ASSERT_TRUE(Forward(Key{9, 0, 1, 1}, inputs).ok());
+  EXPECT_EQ(Abort(0), 2);
+  EXPECT_EQ(Info().pending_saved(), 0);
+}
+
+TEST_F(ExpertTrainingGrpcTest, BadBackwardIsInvalidArgumentAndFreesTheState) {
+  const Inputs inputs = RandomInputs({{2, 3}, {3, 2}});
+  const std::vector<at::Tensor> grads = RandomGrads(inputs);
+  const struct {
+    std::string name;
+    std::function<void(v1::ExpertBackwardRequest*)> mutate;
+    std::string message;
+  } cases[] = {
+      {"count", [](v1::ExpertBackwardRequest* r) { r->mutable_output_grads()->RemoveLast(); },
+       "output_grads: 1 entries; the saved Forward (step=1, micro_batch=0, layer=1, "
+       "request_id=0) has 2 outputs"},
+      {"expert id", [](v1::ExpertBackwardRequest* r) { r->mutable_output_grads(1)->set_expert_id(2); },
+       "output_grads[1].expert_id: 2; expected 3"},
+      {"shape",
+       [](v1::ExpertBackwardRequest* r) {
+         *r->mutable_output_grads(0)->mutable_rows() = Encode(at::randn({4, kD}));
+       },
+       "output_grads[0].rows: expected shape [3, 8] (the saved output's), got [4, 8]"},
+      {"NaN",
+       [](v1::ExpertBackwardRequest* r) {
+         at::Tensor g = at::randn({2, kD});
+         g[0][0] = std::numeric_limits<float>::quiet_NaN();
+         *r->mutable_output_grads(1)->mutable_rows() = Encode(g);
+       },
+       "output_grads[1].rows contains NaN or Inf"},
+      {"integer dtype",
+       [](v1::ExpertBackwardRequest* r) {
+         *r->mutable_output_grads(0)->mutable_rows() = Encode(at::ones({3, kD}, at::kLong));
+       },
+       "output_grads[0].rows.dtype: Long is not a floating type"},
+  };
+  const Key key{1, 0, 1, 0};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    ASSERT_TRUE(Forward(key, inputs).ok());
+    v1::ExpertBackwardRequest request = BackwardRequest(key, inputs, grads);
+    c.mutate(&request);
+    v1::ExpertBackwardResponse response;
+    const grpc::Status s = Backward(request, &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr(c.message));
+    EXPECT_EQ(Info().pending_saved(), 0);
+    EXPECT_EQ(Backward(BackwardRequest(key, inputs, grads), &response).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  // Nothing reached the parameter grads.
+  v1::ExpertStepRequest norm_only;
+  norm_only.set_norm_only(true);
+  v1::ExpertStepResponse step;
+  ASSERT_TRUE(stub_->Step(Context().get(), norm_only, &step).ok());
+  EXPECT_EQ(step.grad_norm_squared(), 0.0);
+}
+
+TEST_F(ExpertTrainingGrpcTest, ExpiredSavedStatesAreDropped) {
+  StartServer(absl::ZeroDuration());
+  const Inputs inputs = RandomInputs({{2, 2}});
+  ASSERT_TRUE(Forward(Key{1, 0, 1, 0}, inputs).ok());
+  ASSERT_TRUE(Forward(Key{1, 1, 1, 0}, inputs).ok());  // sweeps the first
+  EXPECT_EQ(Info().pending_saved(), 0);
+  EXPECT_EQ(server_->core()->counters().saved_expired, 2);
+  v1::ExpertBackwardResponse response;
+  EXPECT_EQ(Backward(BackwardRequest(Key{1, 0, 1, 0}, inputs, RandomGrads(inputs)), &response)
+                .error_code(),
+            grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ExpertTrainingGrpcTest, OptimizerStateMovesToAFreshService) {
+  const auto train_step = [](v1::ExpertService::Stub* stub, uint64_t step,
+                             const Inputs& inputs, const std::vector<at::Tensor>& grads) {
+    const Key key{step, 0, 1, 0};
+    v1::ExpertForwardResponse f;
+    ASSERT_TRUE(stub->Forward(Context().get(), ForwardRequest(key, inputs), &f).ok());
+    v1::ExpertBackwardResponse b;
+    ASSERT_TRUE(stub->Backward(Context().get(), BackwardRequest(key, inputs, grads), &b).ok());
+    v1::ExpertStepResponse s;
+    ASSERT_TRUE(stub->Step(Context().get(), StepRequest(step, 0.5), &s).ok());
+    ASSERT_TRUE(s.applied());
+  };
+  for (const uint64_t step : {1, 2}) {
+    const Inputs inputs = RandomInputs({{2, 3}, {3, 4}});
+    train_step(stub_.get(), step, inputs, RandomGrads(inputs));
+  }
+  // GetState(include_optimizer) over the wire, in small chunks.
+  std::vector<v1::StateChunk> chunks;
+  {
+    auto context = Context();
+    v1::GetStateRequest request;
+    request.set_include_optimizer(true);
+    request.set_chunk_bytes(100);
+    auto reader = stub_->GetState(context.get(), request);
+    v1::StateChunk chunk;
+    while (reader->Read(&chunk)) chunks.push_back(chunk);
+    const grpc::Status s = reader->Finish();
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  std::vector<std::string> names;
+  for (const auto& c : chunks) {
+    if (c.last()) names.push_back(c.name());
+  }
+  EXPECT_EQ(names.size(), 8u + 4 * 3 + 1);  // layer 0 never had grads
+  EXPECT_THAT(names, Contains("layer1.w2.exp_avg"));
+  EXPECT_THAT(names, Contains("optimizer.last_applied_step"));
+
+  ExpertServerOptions options;
+  options.core = CoreOptions();
+  options.address = "127.0.0.1:0";
+  auto fresh = ExpertServer::Start(options);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  auto fresh_stub = v1::ExpertService::NewStub(
+      grpc::CreateChannel((*fresh)->address(), grpc::InsecureChannelCredentials()));
+  {
+    auto context = Context();
+    v1::SetStateResponse response;
+    auto writer = fresh_stub->SetState(context.get(), &response);
+    for (const auto& c : chunks) {
+      if (!writer->Write(c)) break;
+    }
+    writer->WritesDone();
+    const grpc::Status s = writer->Finish();
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(response.tensors(), static_cast<int>(names.size()));
+  }
+  v1::ExpertInfoResponse info;
+  ASSERT_TRUE(fresh_stub->Info(Context().get(), v1::ExpertInfoRequest(), &info).ok());
+  EXPECT_EQ(info.last_applied_step(), 2u);
+
+  const Inputs inputs = RandomInputs({{2, 5}, {3, 1}});
+  const std::vector<at::Tensor> grads = RandomGrads(inputs);
+  train_step(stub_.get(), 3, inputs, grads);
+  train_step(fresh_stub.get(), 3, inputs, grads);
+  EXPECT_TRUE(SameWeights(Weights(*server_->core()), Weights(*(*fresh)->core())));
+  fresh_stub.reset();
+  (*fresh)->Shutdown(absl::Seconds(5));
+  (*fresh)->Wait();
+}
+
+}  // namespace
+}  // namespace himoe::expert

@@ -1,0 +1,555 @@
+// Checkpoint and resume: a resumed run equals an uninterrupted one; a
+// corrupted or incomplete checkpoint is refused before anything is loaded;
+// retention keeps the newest complete checkpoints.
+#include "trainer/checkpoint.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "expert_service/expert_grpc_service.h"
+#include "trainer/trainer.h"
+
+namespace himoe::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+constexpr double kTol = 1e-6;
+
+// A fresh directory, removed on destruction.
+class TempDir {
+ public:
+  TempDir() {
+    static std::atomic<int> counter{0};
+    path_ = fs::temp_directory_path() /
+            ("himoe_checkpoint_test_" + std::to_string(::getpid()) + "_" +
+             std::to_string(counter++));
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const fs::path& path() const { return path_; }
+  std::string str() const { return path_.string(); }
+
+ private:
+  fs::path path_;
+};
+
+// ~20 KB of varied English-like text, deterministic.
+std::string CorpusText() {
+  static const char* const kWords[] = {
+      "the",     "expert",   "router",  "group",   "token",   "gradient", "layer",
+      "quiet",   "river",    "mountain", "signal", "balance", "mixture",  "sparse",
+      "dense",   "attention", "model",  "learns",  "slowly",  "quickly",  "under",
+      "over",    "bright",   "window",  "carries", "every",   "small",    "large",
+      "garden",  "number",   "seven",   "forty",   "question", "answer",  "moves",
+      "through", "between",  "before",  "after",   "while"};
+  std::mt19937 rng(12345);
+  std::uniform_int_distribution<int> word(0, sizeof(kWords) / sizeof(kWords[0]) - 1);
+  std::uniform_int_distribution<int> len(4, 14);
+  std::string text;
+  int line = 0;
+  while (text.size() < 20000) {
+    const int n = len(rng);
+    std::string sentence;
+    for (int i = 0; i < n; ++i) {
+      std::string w = kWords[word(rng)];
+      if (i == 0) w[0] = static_cast<char>(w[0] - 'a' + 'A');
+      sentence += (i ? " " : "") + w;
+    }
+    sentence += (line % 3 == 0) ? "." : (line % 3 == 1 ? "?" : "!");
+    if (line % 5 == 0) sentence += " (" + std::to_string(line * 37 % 1000) + ")";
+    text += sentence + "\n";
+    ++line;
+  }
+  return text;
+}
+
+fs::path CorpusDir() {
+  return fs::temp_directory_path() /
+         ("himoe_checkpoint_corpus_" + std::to_string(::getpid()));
+}
+
+const std::string& CorpusPath() {
+  static const std::string* path = [] {
+    const fs::path dir = CorpusDir();
+    fs::create_directories(dir);
+    const fs::path file = dir / "corpus.txt";
+    std::ofstream out(file, std::ios::binary);
+    out << CorpusText();
+    return new std::string(file.string());
+  }();
+  return *path;
+}
+
+// Removes this process's corpus after the last test.
+class CorpusCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(CorpusDir(), ec);
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kCorpusCleanup =
+    ::testing::AddGlobalTestEnvironment(new CorpusCleanup);
+
+TrainerOptions SmallOptions(router::RoutingMethod method) {
+  TrainerOptions o;
+  o.model.n_layer = 2;
+  o.model.n_head = 2;
+  o.model.d_model = 32;
+  o.model.d_ff = 48;
+  o.model.dense_ff = 64;
+  o.model.block_size = 16;
+  o.model.routing.method = method;
+  o.model.routing.num_experts = 4;
+  o.model.routing.num_groups = 2;
+  o.model.routing.top_k = 1;
+  o.model.routing.tau = 0.1;
+  // Large enough that the loss_free bias visibly moves in a few steps.
+  o.model.routing.loss_free_rate = 0.05;
+  o.model.seed = 3;
+  o.data.paths = {CorpusPath()};
+  o.data.format = "bytes";
+  o.steps = 6;
+  o.batch_size = 4;
+  o.grad_accum = 2;
+  o.lr = 3e-3;
+  o.warmup_steps = 2;
+  o.eval_windows = 4;
+  o.seed = 11;
+  return o;
+}
+
+std::unique_ptr<Trainer> MakeTrainer(const TrainerOptions& o) {
+  auto t = Trainer::Create(o);
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? std::move(t).value() : nullptr;
+}
+
+// Everything a resumed run must reproduce: dense parameters and buffers, the
+// routers' pending counts, every group's expert weights and optimizer state.
+std::map<std::string, at::Tensor> FullState(Trainer& t) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : t.model().named_parameters()) out[p.key()] = p.value().detach().clone();
+  for (const auto& b : t.model().named_buffers()) out[b.key()] = b.value().detach().clone();
+  // The routers' own tensors (the registered buffers alias them), and the
+  // pending loss_free counts, which are not registered.
+  for (int m = 0; m < t.model().num_moe_layers(); ++m) {
+    router::RouterLayer& r = t.model().router(m);
+    const std::string p = "router" + std::to_string(m) + ".";
+    out[p + "gate"] = r.gate_weight().detach().clone();
+    out[p + "logit_ema"] = r.logit_ema().clone();
+    out[p + "loss_free_bias"] = r.loss_free_bias().clone();
+    out[p + "pending_counts"] = r.pending_counts().clone();
+  }
+  for (int g = 0; g < t.experts().num_groups(); ++g) {
+    auto state = t.experts().GetState(g);
+    EXPECT_TRUE(state.ok()) << state.status();
+    if (!state.ok()) continue;
+    for (const auto& [name, tensor] : *state) {
+      out["experts_g" + std::to_string(g) + "." + name] = tensor.clone();
+    }
+  }
+  return out;
+}
+
+// Max |a - b| over every tensor; expects the same names and shapes.
+void ExpectStatesNear(const std::map<std::string, at::Tensor>& a,
+                      const std::map<std::string, at::Tensor>& b, double tol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, ta] : a) {
+    auto it = b.find(name);
+    ASSERT_NE(it, b.end()) << name;
+    const at::Tensor& tb = it->second;
+    ASSERT_EQ(ta.sizes(), tb.sizes()) << name;
+    if (ta.numel() == 0) continue;
+    const double diff =
+        (ta.to(at::kDouble) - tb.to(at::kDouble)).abs().max().item<double>();
+    EXPECT_LE(diff, tol) << name;
+  }
+}
+
+void ExpectStatesEqual(const std::map<std::string, at::Tensor>& a,
+                       const std::map<std::string, at::Tensor>& b) {
+  ExpectStatesNear(a, b, 0.0);
+}
+
+std::string ReadAll(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<std::string> Entries(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// ---- (a) Resume equality.
+
+struct RunRecord {
+  std::vector<double> losses;
+  std::map<std::string, at::Tensor> state;
+};
+
+RunRecord Uninterrupted(const TrainerOptions& o, int steps) {
+  RunRecord run;
+  auto t = MakeTrainer(o);
+  if (t == nullptr) return run;
+  for (int i = 0; i < steps; ++i) {
+    auto r = t->Step();
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return run;
+    run.losses.push_back(r->loss);
+  }
+  run.state = FullState(*t);
+  return run;
+}
+
+// `split` steps, save, destroy, fresh trainer, load, the rest.
+// `options_for_resume` may differ from `o` only in where the experts live.
+RunRecord Resumed(const TrainerOptions& o, const TrainerOptions& options_for_resume, int split,
+            int steps, const std::string& root) {
+  RunRecord run;
+  {
+    auto t = MakeTrainer(o);
+    if (t == nullptr) return run;
+    for (int i = 0; i < split; ++i) {
+      auto r = t->Step();
+      EXPECT_TRUE(r.ok()) << r.status();
+      if (!r.ok()) return run;
+      run.losses.push_back(r->loss);
+    }
+    const absl::Status saved = SaveCheckpoint(*t, root, /*keep_last=*/3);
+    EXPECT_TRUE(saved.ok()) << saved;
+  }
+  auto t = MakeTrainer(options_for_resume);
+  if (t == nullptr) return run;
+  auto latest = LatestCheckpoint(root);
+  EXPECT_TRUE(latest.ok()) << latest.status();
+  if (!latest.ok()) return run;
+  EXPECT_EQ(*latest, (fs::path(root) / CheckpointDirName(split)).string());
+  const absl::Status loaded = LoadCheckpoint(*t, *latest);
+  EXPECT_TRUE(loaded.ok()) << loaded;
+  EXPECT_EQ(t->step(), split);
+  for (int i = split; i < steps; ++i) {
+    auto r = t->Step();
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return run;
+    EXPECT_EQ(r->step, i + 1);
+    run.losses.push_back(r->loss);
+  }
+  run.state = FullState(*t);
+  return run;
+}
+
+void ExpectSameRun(const RunRecord& a, const RunRecord& b) {
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (size_t i = 0; i < a.losses.size(); ++i) {
+    EXPECT_NEAR(a.losses[i], b.losses[i], kTol) << "step " << i + 1;
+  }
+  ExpectStatesNear(a.state, b.state, kTol);
+}
+
+class ResumeTest : public ::testing::TestWithParam<router::RoutingMethod> {};
+
+TEST_P(ResumeTest, ResumedRunEqualsUninterruptedRun) {
+  const TrainerOptions o = SmallOptions(GetParam());
+  TempDir root;
+  const RunRecord a = Uninterrupted(o, 6);
+  const RunRecord b = Resumed(o, o, 3, 6, root.str());
+  ASSERT_EQ(a.losses.size(), 6u);
+  ExpectSameRun(a, b);
+  if (GetParam() == router::RoutingMethod::kLossFree) {
+    // The bias moved, so the comparison above covers restoring it.
+    EXPECT_GT(a.state.at("router0.loss_free_bias").abs().max().item<double>(), 0.0);
+  }
+  if (GetParam() == router::RoutingMethod::kHiMoe) {
+    EXPECT_GT(a.state.at("router0.logit_ema").abs().max().item<double>(), 0.0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, ResumeTest,
+                         ::testing::Values(router::RoutingMethod::kHiMoe,
+                                           router::RoutingMethod::kLossFree),
+                         [](const auto& info) {
+                           return std::string(router::RoutingMethodName(info.param));
+                         });
+
+// The loaded trainer must not just match at the end: the restored state
+// equals the saved one right after LoadCheckpoint.
+TEST(CheckpointTest, LoadRestoresExactlyWhatWasSaved) {
+  const TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  TempDir root;
+  auto a = MakeTrainer(o);
+  ASSERT_NE(a, nullptr);
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(a->Step().ok());
+  ASSERT_TRUE(SaveCheckpoint(*a, root.str(), 1).ok());
+  auto b = MakeTrainer(o);
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(LoadCheckpoint(*b, root.str() + "/" + CheckpointDirName(2)).ok());
+  ExpectStatesEqual(FullState(*a), FullState(*b));
+  EXPECT_EQ(a->sampler().SerializeState(), b->sampler().SerializeState());
+  EXPECT_EQ(b->step(), 2);
+}
+
+TEST(CheckpointTest, DirectoryLayoutAndManifest) {
+  const TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  TempDir root;
+  auto t = MakeTrainer(o);
+  ASSERT_NE(t, nullptr);
+  ASSERT_TRUE(t->Step().ok());
+  ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  EXPECT_EQ(Entries(root.path()), std::vector<std::string>{"step_00000001"});
+  const fs::path dir = root.path() / "step_00000001";
+  EXPECT_EQ(Entries(dir),
+            (std::vector<std::string>{"MANIFEST", "data.txt", "dense.pt", "experts_g0.pt",
+                                      "experts_g1.pt", "meta.txt", "optimizer.pt"}));
+  const std::string manifest = ReadAll(dir / "MANIFEST");
+  std::istringstream lines(manifest);
+  std::set<std::string> listed;
+  for (std::string line; std::getline(lines, line);) {
+    ASSERT_GT(line.size(), 66u) << line;
+    EXPECT_EQ(line.substr(64, 2), "  ") << line;
+    listed.insert(line.substr(66));
+  }
+  EXPECT_EQ(listed, (std::set<std::string>{"data.txt", "dense.pt", "experts_g0.pt",
+                                           "experts_g1.pt", "meta.txt", "optimizer.pt"}));
+  // The MANIFEST is in sha256sum's format, and its digests are right.
+  const std::string check =
+      "cd '" + dir.string() + "' && sha256sum --check --quiet --strict MANIFEST";
+  EXPECT_EQ(std::system(check.c_str()), 0) << check;
+  const std::string meta = ReadAll(dir / "meta.txt");
+  EXPECT_THAT(meta, HasSubstr("step 1\n"));
+  EXPECT_THAT(meta, HasSubstr("method himoe\n"));
+  EXPECT_THAT(meta, HasSubstr("d_model 32\n"));
+  auto fresh = MakeTrainer(o);
+  ASSERT_NE(fresh, nullptr);
+  EXPECT_TRUE(LoadCheckpoint(*fresh, dir.string()).ok());
+}
+
+// Experts on expert-group services: the state is streamed out with GetState
+// and pushed into brand-new services with SetState.
+class ExpertCluster {
+ public:
+  explicit ExpertCluster(const TrainerOptions& o) {
+    const int groups = o.model.routing.num_groups;
+    for (int g = 0; g < groups; ++g) {
+      expert::ExpertServerOptions s;
+      s.address = "127.0.0.1:0";
+      s.core.group_id = g;
+      s.core.num_groups = groups;
+      s.core.num_experts = o.model.routing.num_experts;
+      s.core.num_layers = NumMoeLayers(o.model);
+      s.core.d_model = o.model.d_model;
+      s.core.d_ff = o.model.d_ff;
+      s.core.seed = o.model.seed;
+      auto server = expert::ExpertServer::Start(s);
+      EXPECT_TRUE(server.ok()) << server.status();
+      if (!server.ok()) continue;
+      addresses_.push_back("127.0.0.1:" + std::to_string((*server)->port()));
+      servers_.push_back(std::move(server).value());
+    }
+  }
+  TrainerOptions Remote(TrainerOptions o) const {
+    o.remote_experts = true;
+    o.expert_addresses = addresses_;
+    return o;
+  }
+
+ private:
+  std::vector<std::unique_ptr<expert::ExpertServer>> servers_;
+  std::vector<std::string> addresses_;
+};
+
+TEST(CheckpointTest, RemoteExpertsResumeIntoFreshServices) {
+  const TrainerOptions local = SmallOptions(router::RoutingMethod::kHiMoe);
+  TempDir root;
+  RunRecord a, b;
+  {
+    ExpertCluster uninterrupted(local);
+    a = Uninterrupted(uninterrupted.Remote(local), 6);
+  }
+  {
+    // Save from services `before`, resume into untouched services `after`
+    // (FullState is taken inside Resumed, while `after` is up).
+    ExpertCluster before(local);
+    ExpertCluster after(local);
+    b = Resumed(before.Remote(local), after.Remote(local), 3, 6, root.str());
+  }
+  ASSERT_EQ(a.losses.size(), 6u);
+  ExpectSameRun(a, b);
+}
+
+// ---- (b) Corruption.
+
+TEST(CheckpointTest, FlippedByteIsDataLossAndNothingIsLoaded) {
+  const TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  TempDir root;
+  {
+    auto t = MakeTrainer(o);
+    ASSERT_NE(t, nullptr);
+    for (int i = 0; i < 2; ++i) ASSERT_TRUE(t->Step().ok());
+    ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  }
+  auto latest = LatestCheckpoint(root.str());
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  const fs::path victim = fs::path(*latest) / "experts_g0.pt";
+  {
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f.good());
+    const std::streamoff pos = static_cast<std::streamoff>(fs::file_size(victim) / 2);
+    f.seekg(pos);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x5a);
+    f.seekp(pos);
+    f.write(&c, 1);
+    ASSERT_TRUE(f.good());
+  }
+
+  // A trainer in a different state (one step): the load must leave it as is.
+  auto t = MakeTrainer(o);
+  ASSERT_NE(t, nullptr);
+  ASSERT_TRUE(t->Step().ok());
+  const auto before = FullState(*t);
+  const std::string sampler_before = t->sampler().SerializeState();
+
+  const absl::Status s = LoadCheckpoint(*t, *latest);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(), HasSubstr("checkpoint " + *latest + ": experts_g0.pt fails its "
+                                     "sha256 check (expected "));
+  EXPECT_THAT(s.message(), HasSubstr(", got "));
+  ExpectStatesEqual(before, FullState(*t));
+  EXPECT_EQ(t->sampler().SerializeState(), sampler_before);
+  EXPECT_EQ(t->step(), 1);
+  // And it still trains.
+  EXPECT_TRUE(t->Step().ok());
+}
+
+TEST(CheckpointTest, MissingManifestIsAnError) {
+  const TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  TempDir root;
+  auto t = MakeTrainer(o);
+  ASSERT_NE(t, nullptr);
+  ASSERT_TRUE(t->Step().ok());
+  ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  const fs::path dir = root.path() / CheckpointDirName(1);
+  fs::remove(dir / "MANIFEST");
+
+  auto fresh = MakeTrainer(o);
+  ASSERT_NE(fresh, nullptr);
+  const auto before = FullState(*fresh);
+  const absl::Status s = LoadCheckpoint(*fresh, dir.string());
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(s.message(), HasSubstr("MANIFEST"));
+  ExpectStatesEqual(before, FullState(*fresh));
+  EXPECT_EQ(fresh->step(), 0);
+  // Without its MANIFEST it is not a complete checkpoint.
+  EXPECT_EQ(LatestCheckpoint(root.str()).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(CheckpointTest, MissingListedFileIsDataLoss) {
+  const TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  TempDir root;
+  auto t = MakeTrainer(o);
+  ASSERT_NE(t, nullptr);
+  ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  const fs::path dir = root.path() / CheckpointDirName(0);
+  fs::remove(dir / "optimizer.pt");
+  const absl::Status s = LoadCheckpoint(*t, dir.string());
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(), HasSubstr("optimizer.pt"));
+}
+
+TEST(CheckpointTest, OtherMethodIsRefused) {
+  TempDir root;
+  auto t = MakeTrainer(SmallOptions(router::RoutingMethod::kHiMoe));
+  ASSERT_NE(t, nullptr);
+  ASSERT_TRUE(t->Step().ok());
+  ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  auto other = MakeTrainer(SmallOptions(router::RoutingMethod::kLossFree));
+  ASSERT_NE(other, nullptr);
+  const auto before = FullState(*other);
+  const absl::Status s = LoadCheckpoint(*other, root.str() + "/" + CheckpointDirName(1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("method"));
+  ExpectStatesEqual(before, FullState(*other));
+}
+
+TEST(CheckpointTest, MissingDirectoryIsNotFound) {
+  TempDir root;
+  auto t = MakeTrainer(SmallOptions(router::RoutingMethod::kHiMoe));
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(LoadCheckpoint(*t, root.str() + "/step_00000007").code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(LatestCheckpoint(root.str()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(LatestCheckpoint(root.str() + "/nope").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+// ---- (c) Retention.
+
+TEST(CheckpointTest, KeepLastKeepsTheNewestComplete) {
+  const TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  TempDir root;
+  auto t = MakeTrainer(o);
+  ASSERT_NE(t, nullptr);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(t->Step().ok());
+    ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  }
+  EXPECT_EQ(Entries(root.path()), (std::vector<std::string>{"step_00000002", "step_00000003"}));
+
+  // Leftovers of crashed saves: a newer directory without a MANIFEST, a
+  // temporary. Neither counts as a checkpoint; the next save removes both.
+  fs::create_directories(root.path() / "step_00000099");
+  fs::create_directories(root.path() / "step_00000004.tmp-1");
+  std::ofstream(root.path() / "step_00000004.tmp-1" / "MANIFEST") << "x";
+  auto latest = LatestCheckpoint(root.str());
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, (root.path() / "step_00000003").string());
+
+  ASSERT_TRUE(t->Step().ok());
+  ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  EXPECT_EQ(Entries(root.path()), (std::vector<std::string>{"step_00000003", "step_00000004"}));
+  latest = LatestCheckpoint(root.str());
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, (root.path() / "step_00000004").string());
+
+  // Saving the same step again replaces it.
+  ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  EXPECT_EQ(Entries(root.path()), (std::vector<std::string>{"step_00000003", "step_00000004"}));
+  auto fresh = MakeTrainer(o);
+  ASSERT_NE(fresh, nullptr);
+  EXPECT_TRUE(LoadCheckpoint(*fresh, *latest).ok());
+  EXPECT_EQ(fresh->step(), 4);
+}
+
+}  // namespace
+}  // namespace himoe::trainer

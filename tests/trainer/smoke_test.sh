@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The README's main job with a tiny step count: a local cluster of expert
+# processes, the fortunes corpus, the progress line, the final report.
+set -euo pipefail
+out="$(mktemp -d)"
+trap 'rm -rf "${out}"' EXIT
+log="${out}/stderr.log"
+HIMOE_RUN_DIR="${out}/run" bash "$1/scripts/main_job.sh" \
+  --steps 6 --eval_every 3 --eval_windows 8 --batch_size 4 --log_every 1 \
+  --checkpoint_every 3 2>"${log}" || { cat "${log}"; exit 1; }
+cat "${log}"
+grep -q "experts: 4 himoe-expert processes on 127.0.0.1:" "${log}"
+grep -q "step 6/6 | loss" "${log}"
+grep -q "Routing balance over the last" "${log}"
+grep -q "validation: loss" "${log}"
+# One JSON line per step plus the evaluations at steps 0, 3 and 6.
+test "$(grep -c '"kind":"train"' "${out}/run/metrics.jsonl")" -eq 6
+test "$(grep -c '"kind":"eval"' "${out}/run/metrics.jsonl")" -eq 3
+test -f "${out}/run/checkpoints/step_00000006/MANIFEST"
+# Every expert process the trainer started is gone.
+if pgrep -f -- "${out}" >/dev/null; then
+  echo "expert processes left behind" >&2
+  exit 1
+fi
+echo "smoke test passed"

@@ -1,0 +1,497 @@
+#include "trainer/expert_backend.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <mutex>
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "common/tensor_codec.h"
+#include "common/torch_runtime.h"
+#include "expert_service/expert_group.h"
+#include "expert_service/expert_optimizer.h"
+#include "expert_service/expert_service_core.h"
+#include "router_service/group_client.h"
+#include "router_service/remote_moe.h"
+
+namespace himoe::trainer {
+namespace {
+
+expert::ExpertGroupOptions GroupOptions(const ExpertBackendOptions& o, int group, int layer) {
+  expert::ExpertGroupOptions g;
+  g.group_id = group;
+  g.experts_per_group = o.num_experts / o.num_groups;
+  g.d_model = o.d_model;
+  g.d_ff = o.d_ff;
+  g.layer = layer;
+  g.seed = o.seed;
+  g.device = o.device;
+  return g;
+}
+
+expert::StepOptions ToStepOptions(uint64_t step, const AdamWHyper& h, double scale) {
+  expert::StepOptions s;
+  s.step = step;
+  s.lr = h.lr;
+  s.grad_scale = scale;
+  s.weight_decay = h.weight_decay;
+  s.beta1 = h.beta1;
+  s.beta2 = h.beta2;
+  s.eps = h.eps;
+  return s;
+}
+
+std::string LayerName(int layer, const std::string& name) {
+  return absl::StrCat("layer", layer, ".", name);
+}
+
+// ---- In-process: the same ExpertGroup and ExpertOptimizer as the service.
+
+class InProcessBackend final : public ExpertBackend {
+ public:
+  static absl::StatusOr<std::unique_ptr<ExpertBackend>> Create(const ExpertBackendOptions& o) {
+    std::unique_ptr<InProcessBackend> b(new InProcessBackend());
+    b->groups_.resize(o.num_groups);
+    for (int g = 0; g < o.num_groups; ++g) {
+      std::vector<expert::ExpertGroup*> all_layers;
+      for (int layer = 0; layer < o.num_layers; ++layer) {
+        ASSIGN_OR_RETURN(auto group, expert::ExpertGroup::Create(GroupOptions(o, g, layer)));
+        all_layers.push_back(group.get());
+        b->groups_[g].push_back(std::move(group));
+      }
+      ASSIGN_OR_RETURN(auto optimizer, expert::ExpertOptimizer::Create(all_layers));
+      b->optimizers_.push_back(std::move(optimizer));
+    }
+    return std::unique_ptr<ExpertBackend>(std::move(b));
+  }
+
+  absl::StatusOr<std::vector<at::Tensor>> Forward(int layer, uint64_t, uint32_t,
+                                                  const std::vector<at::Tensor>& rows,
+                                                  const std::vector<at::Tensor>& ids,
+                                                  bool) override {
+    std::vector<at::Tensor> out(rows.size());
+    for (size_t g = 0; g < rows.size(); ++g) {
+      if (rows[g].size(0) == 0) continue;
+      ASSIGN_OR_RETURN(out[g], groups_[g][layer]->Forward(rows[g], ids[g]));
+      out[g] = out[g].to(at::kFloat);
+    }
+    return out;
+  }
+
+  absl::StatusOr<double> GradNormSquared() override {
+    double total = 0;
+    for (const auto& o : optimizers_) total += o->GradNormSquared();
+    return total;
+  }
+
+  absl::Status Step(uint64_t step, const AdamWHyper& hyper, double scale) override {
+    for (const auto& o : optimizers_) {
+      RETURN_IF_ERROR(o->Step(ToStepOptions(step, hyper, scale)).status());
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Abort(uint64_t) override {
+    for (const auto& o : optimizers_) o->ZeroGrad();
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::vector<NamedTensor>> GetState(int g) override {
+    std::vector<NamedTensor> state;
+    for (size_t layer = 0; layer < groups_[g].size(); ++layer) {
+      for (const auto& [name, t] : groups_[g][layer]->named_parameters()) {
+        state.push_back({LayerName(layer, name), t.detach().cpu().clone()});
+      }
+    }
+    for (auto& entry : optimizers_[g]->State()) state.push_back(std::move(entry));
+    return state;
+  }
+
+  absl::Status SetState(int g, const std::vector<NamedTensor>& state) override {
+    std::map<std::string, at::Tensor> params;
+    for (size_t layer = 0; layer < groups_[g].size(); ++layer) {
+      for (const auto& [name, t] : groups_[g][layer]->named_parameters()) {
+        params[LayerName(layer, name)] = t;
+      }
+    }
+    std::vector<NamedTensor> optimizer_state;
+    for (const auto& [name, t] : state) {
+      auto it = params.find(name);
+      if (it == params.end()) {
+        optimizer_state.push_back({name, t});
+        continue;
+      }
+      if (!it->second.sizes().equals(t.sizes())) {
+        return absl::InvalidArgumentError(absl::StrCat("expert state ", name, ": wrong shape"));
+      }
+      at::NoGradGuard no_grad;
+      it->second.copy_(t);
+    }
+    return optimizers_[g]->SetState(optimizer_state);
+  }
+
+  absl::StatusOr<int64_t> PendingSaved() override { return 0; }
+  int num_groups() const override { return static_cast<int>(groups_.size()); }
+
+ private:
+  InProcessBackend() = default;
+  std::vector<std::vector<std::unique_ptr<expert::ExpertGroup>>> groups_;  // [group][layer]
+  std::vector<std::unique_ptr<expert::ExpertOptimizer>> optimizers_;
+};
+
+// ---- Remote: himoe-expert services over gRPC.
+
+// Starts every call, waits for all; the first error wins.
+absl::Status RunConcurrently(
+    const std::vector<std::function<void(router::GroupClient::Done)>>& calls) {
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t pending = calls.size();
+  absl::Status first;
+  for (const auto& call : calls) {
+    call([&](absl::Status s) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!s.ok() && first.ok()) first = std::move(s);
+      if (--pending == 0) cv.notify_one();
+    });
+  }
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return pending == 0; });
+  return first;
+}
+
+class RemoteBackend;
+
+// One MoE layer's expert call of one micro-batch, kept until its Backward.
+struct RemoteCall {
+  RemoteBackend* backend = nullptr;
+  int layer = 0;
+  uint64_t step = 0;
+  uint32_t micro_batch = 0;
+  std::vector<int> groups;  // groups that got rows, in order
+  std::vector<at::Tensor> ids;  // their expert ids
+  std::vector<v1::ExpertForwardRequest> requests;  // row data dropped after sending
+};
+
+class RemoteBackend final : public ExpertBackend {
+ public:
+  static absl::StatusOr<std::unique_ptr<ExpertBackend>> Create(const ExpertBackendOptions& o) {
+    if (static_cast<int>(o.addresses.size()) != o.num_groups) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "trainer: ", o.addresses.size(), " expert addresses for ", o.num_groups, " groups"));
+    }
+    std::unique_ptr<RemoteBackend> b(new RemoteBackend(o));
+    for (int g = 0; g < o.num_groups; ++g) {
+      router::GroupClientOptions go;
+      go.group_id = g;
+      go.addresses = {o.addresses[g]};
+      go.deadline = o.deadline;
+      ASSIGN_OR_RETURN(auto client, router::GroupClient::Create(go));
+      ASSIGN_OR_RETURN(const v1::ExpertInfoResponse info, client->Info());
+      if (info.group_id() != g || info.num_groups() != o.num_groups ||
+          info.num_experts() != o.num_experts || info.d_model() != o.d_model ||
+          info.d_ff() != o.d_ff || info.layers_size() != o.num_layers) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "expert service at ", o.addresses[g], " serves group ", info.group_id(), " of ",
+            info.num_groups(), ", N=", info.num_experts(), ", d_model=", info.d_model(),
+            ", d_ff=", info.d_ff(), ", ", info.layers_size(), " layers; the model needs group ",
+            g, " of ", o.num_groups, ", N=", o.num_experts, ", d_model=", o.d_model,
+            ", d_ff=", o.d_ff, ", ", o.num_layers, " layers"));
+      }
+      b->clients_.push_back(std::move(client));
+    }
+    return std::unique_ptr<ExpertBackend>(std::move(b));
+  }
+
+  absl::StatusOr<std::vector<at::Tensor>> Forward(int layer, uint64_t step,
+                                                  uint32_t micro_batch,
+                                                  const std::vector<at::Tensor>& rows,
+                                                  const std::vector<at::Tensor>& ids,
+                                                  bool training) override;
+
+  // Sends the saved call's Forward; returns one output per call group.
+  absl::StatusOr<std::vector<at::Tensor>> SendForward(RemoteCall& call,
+                                                      const std::vector<at::Tensor>& rows,
+                                                      const std::vector<at::Tensor>& ids,
+                                                      bool save);
+  absl::StatusOr<std::vector<at::Tensor>> SendBackward(const RemoteCall& call,
+                                                       const std::vector<at::Tensor>& grads);
+
+  absl::StatusOr<double> GradNormSquared() override {
+    std::vector<v1::ExpertStepRequest> requests(clients_.size());
+    std::vector<v1::ExpertStepResponse> responses(clients_.size());
+    std::vector<std::function<void(router::GroupClient::Done)>> calls;
+    for (size_t g = 0; g < clients_.size(); ++g) {
+      requests[g].set_norm_only(true);
+      calls.push_back([&, g](router::GroupClient::Done done) {
+        clients_[g]->StepAsync(&requests[g], &responses[g], Timed(g, "Step", std::move(done)));
+      });
+    }
+    RETURN_IF_ERROR(RunConcurrently(calls));
+    double total = 0;
+    for (const auto& r : responses) total += r.grad_norm_squared();
+    return total;
+  }
+
+  absl::Status Step(uint64_t step, const AdamWHyper& h, double scale) override {
+    std::vector<v1::ExpertStepRequest> requests(clients_.size());
+    std::vector<v1::ExpertStepResponse> responses(clients_.size());
+    std::vector<std::function<void(router::GroupClient::Done)>> calls;
+    for (size_t g = 0; g < clients_.size(); ++g) {
+      v1::ExpertStepRequest& r = requests[g];
+      r.set_step(step);
+      r.set_learning_rate(h.lr);
+      r.set_grad_scale(scale);
+      r.set_weight_decay(h.weight_decay);
+      r.set_beta1(h.beta1);
+      r.set_beta2(h.beta2);
+      r.set_eps(h.eps);
+      calls.push_back([&, g](router::GroupClient::Done done) {
+        clients_[g]->StepAsync(&requests[g], &responses[g], Timed(g, "Step", std::move(done)));
+      });
+    }
+    return RunConcurrently(calls);
+  }
+
+  absl::Status Abort(uint64_t step) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = calls_.begin(); it != calls_.end();) {
+        it = it->second->step == step ? calls_.erase(it) : std::next(it);
+      }
+    }
+    absl::Status first;
+    for (const auto& c : clients_) {
+      const absl::Status s = c->Abort(step).status();
+      if (!s.ok() && first.ok()) first = s;
+    }
+    return first;
+  }
+
+  absl::StatusOr<std::vector<NamedTensor>> GetState(int g) override {
+    ASSIGN_OR_RETURN(const std::vector<v1::StateChunk> chunks,
+                     clients_[g]->GetState(/*include_optimizer=*/true));
+    expert::StateAssembler assembler;
+    for (const v1::StateChunk& chunk : chunks) RETURN_IF_ERROR(assembler.Add(chunk));
+    return assembler.Finish();
+  }
+
+  absl::Status SetState(int g, const std::vector<NamedTensor>& state) override {
+    ASSIGN_OR_RETURN(auto chunker, expert::StateChunker::Create(state, /*chunk_bytes=*/1 << 20));
+    std::vector<v1::StateChunk> chunks;
+    for (v1::StateChunk chunk; chunker->Next(&chunk);) chunks.push_back(chunk);
+    return clients_[g]->SetState(chunks);
+  }
+
+  absl::StatusOr<int64_t> PendingSaved() override {
+    int64_t total = 0;
+    for (const auto& c : clients_) {
+      ASSIGN_OR_RETURN(const v1::ExpertInfoResponse info, c->Info());
+      total += info.pending_saved();
+    }
+    return total;
+  }
+
+  int num_groups() const override { return static_cast<int>(clients_.size()); }
+
+  uint64_t Register(std::shared_ptr<RemoteCall> call) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t handle = next_handle_++;
+    calls_[handle] = std::move(call);
+    return handle;
+  }
+  std::shared_ptr<RemoteCall> Take(uint64_t handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = calls_.find(handle);
+    if (it == calls_.end()) return nullptr;
+    auto call = std::move(it->second);
+    calls_.erase(it);
+    return call;
+  }
+
+ private:
+  explicit RemoteBackend(const ExpertBackendOptions& o) : options_(o) {}
+
+  // Wraps `done` to report the call's latency to options_.on_rpc.
+  router::GroupClient::Done Timed(int group, const char* rpc, router::GroupClient::Done done) {
+    if (!options_.on_rpc) return done;
+    const auto start = std::chrono::steady_clock::now();
+    return [this, group, rpc, start, done = std::move(done)](absl::Status s) {
+      options_.on_rpc(group, rpc,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      done(std::move(s));
+    };
+  }
+
+  ExpertBackendOptions options_;
+  std::vector<std::unique_ptr<router::GroupClient>> clients_;
+  std::atomic<uint64_t> next_request_id_{1};
+  std::mutex mu_;
+  uint64_t next_handle_ = 1;
+  std::map<uint64_t, std::shared_ptr<RemoteCall>> calls_;
+};
+
+// Connects the remote experts to LibTorch autograd: forward sends Forward
+// (saving state on the services), backward sends Backward with dL/dy and
+// returns dL/d(rows). Errors surface as c10::Error at the trainer boundary.
+class RemoteExpertsFunction : public torch::autograd::Function<RemoteExpertsFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                std::shared_ptr<RemoteCall> call,
+                                                at::TensorList rows) {
+    auto outputs = call->backend->SendForward(*call, rows.vec(), call->ids, /*save=*/true);
+    TORCH_CHECK(outputs.ok(), std::string(outputs.status().message()));
+    ctx->saved_data["backend"] = reinterpret_cast<int64_t>(call->backend);
+    ctx->saved_data["handle"] = static_cast<int64_t>(call->backend->Register(call));
+    return *outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const uint64_t handle = static_cast<uint64_t>(ctx->saved_data["handle"].toInt());
+    std::shared_ptr<RemoteCall> call = RemoteBackendOf(ctx)->Take(handle);
+    TORCH_CHECK(call != nullptr, "remote expert call ", handle,
+                " was aborted before its backward");
+    auto input_grads = call->backend->SendBackward(*call, grads);
+    TORCH_CHECK(input_grads.ok(), std::string(input_grads.status().message()));
+    torch::autograd::variable_list out = {at::Tensor()};  // for `call`
+    for (auto& g : *input_grads) out.push_back(std::move(g));
+    return out;
+  }
+
+ private:
+  static RemoteBackend* RemoteBackendOf(torch::autograd::AutogradContext* ctx) {
+    return reinterpret_cast<RemoteBackend*>(ctx->saved_data["backend"].toInt());
+  }
+};
+
+absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::Forward(
+    int layer, uint64_t step, uint32_t micro_batch, const std::vector<at::Tensor>& rows,
+    const std::vector<at::Tensor>& ids, bool training) {
+  auto call = std::make_shared<RemoteCall>();
+  call->backend = this;
+  call->layer = layer;
+  call->step = step;
+  call->micro_batch = micro_batch;
+  std::vector<at::Tensor> sent_rows;
+  for (size_t g = 0; g < rows.size(); ++g) {
+    if (rows[g].size(0) == 0) continue;
+    call->groups.push_back(static_cast<int>(g));
+    sent_rows.push_back(rows[g]);
+    call->ids.push_back(ids[g]);
+  }
+  std::vector<at::Tensor> outputs;
+  if (!training) {
+    at::NoGradGuard no_grad;
+    ASSIGN_OR_RETURN(outputs, SendForward(*call, sent_rows, call->ids, /*save=*/false));
+  } else {
+    RETURN_IF_ERROR(CatchTorchErrors([&] {
+      // As a TensorList, so that autograd sees the rows as inputs.
+      outputs = RemoteExpertsFunction::apply(call, at::TensorList(sent_rows));
+      return absl::OkStatus();
+    }));
+  }
+  std::vector<at::Tensor> by_group(rows.size());
+  for (size_t i = 0; i < call->groups.size(); ++i) by_group[call->groups[i]] = outputs[i];
+  return by_group;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
+    RemoteCall& call, const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& ids,
+    bool save) {
+  const size_t n = call.groups.size();
+  call.requests.assign(n, v1::ExpertForwardRequest());
+  std::vector<v1::ExpertForwardResponse> responses(n);
+  std::vector<std::function<void(router::GroupClient::Done)>> calls;
+  for (size_t i = 0; i < n; ++i) {
+    v1::ExpertForwardRequest& r = call.requests[i];
+    r.set_layer(call.layer);
+    r.set_step(call.step);
+    r.set_micro_batch(call.micro_batch);
+    r.set_request_id(next_request_id_.fetch_add(1));
+    r.set_save_for_backward(save);
+    const at::Tensor cpu_ids = ids[i].to(at::kCPU).contiguous();
+    const std::vector<int64_t> experts(cpu_ids.data_ptr<int64_t>(),
+                                       cpu_ids.data_ptr<int64_t>() + cpu_ids.numel());
+    RETURN_IF_ERROR(router::AppendExpertRuns(rows[i].detach().to(at::kFloat).contiguous(),
+                                             experts, 0, rows[i].size(0), r.mutable_inputs()));
+    const int group = call.groups[i];
+    calls.push_back([&, i, group](router::GroupClient::Done done) {
+      clients_[group]->ForwardAsync(&call.requests[i], &responses[i],
+                                    Timed(group, "Forward", std::move(done)));
+    });
+  }
+  RETURN_IF_ERROR(RunConcurrently(calls));
+  std::vector<at::Tensor> outputs;
+  for (size_t i = 0; i < n; ++i) {
+    ASSIGN_OR_RETURN(at::Tensor y, router::ConcatExpertRows(
+                                       responses[i].outputs(), call.requests[i].inputs(),
+                                       options_.d_model,
+                                       absl::StrCat("expert group ", call.groups[i])));
+    outputs.push_back(std::move(y));
+    // Backward needs only the run structure: drop the row bytes.
+    for (auto& in : *call.requests[i].mutable_inputs()) in.mutable_rows()->clear_data();
+  }
+  return outputs;
+}
+
+absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
+    const RemoteCall& call, const std::vector<at::Tensor>& grads) {
+  const size_t n = call.groups.size();
+  std::vector<v1::ExpertBackwardRequest> requests(n);
+  std::vector<v1::ExpertBackwardResponse> responses(n);
+  std::vector<std::function<void(router::GroupClient::Done)>> calls;
+  for (size_t i = 0; i < n; ++i) {
+    const v1::ExpertForwardRequest& f = call.requests[i];
+    v1::ExpertBackwardRequest& r = requests[i];
+    r.set_layer(f.layer());
+    r.set_step(f.step());
+    r.set_micro_batch(f.micro_batch());
+    r.set_request_id(f.request_id());
+    const at::Tensor g = grads[i].defined() ? grads[i].to(at::kFloat).contiguous()
+                                            : at::Tensor();
+    int64_t row = 0;
+    for (const v1::ExpertRows& in : f.inputs()) {
+      const int64_t rows = in.rows().shape(0);
+      v1::ExpertRows* out = r.add_output_grads();
+      out->set_expert_id(in.expert_id());
+      const at::Tensor part = g.defined() ? g.slice(0, row, row + rows)
+                                          : at::zeros({rows, options_.d_model});
+      RETURN_IF_ERROR(EncodeTensor(part, out->mutable_rows()));
+      row += rows;
+    }
+    const int group = call.groups[i];
+    calls.push_back([&, i, group](router::GroupClient::Done done) {
+      clients_[group]->BackwardAsync(&requests[i], &responses[i],
+                                     Timed(group, "Backward", std::move(done)));
+    });
+  }
+  RETURN_IF_ERROR(RunConcurrently(calls));
+  std::vector<at::Tensor> input_grads;
+  for (size_t i = 0; i < n; ++i) {
+    ASSIGN_OR_RETURN(at::Tensor g, router::ConcatExpertRows(
+                                       responses[i].input_grads(), call.requests[i].inputs(),
+                                       options_.d_model,
+                                       absl::StrCat("expert group ", call.groups[i], " grads")));
+    input_grads.push_back(std::move(g));
+  }
+  return input_grads;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateInProcessBackend(
+    const ExpertBackendOptions& options) {
+  return InProcessBackend::Create(options);
+}
+
+absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateRemoteBackend(
+    const ExpertBackendOptions& options) {
+  return RemoteBackend::Create(options);
+}
+
+}  // namespace himoe::trainer

@@ -1,0 +1,82 @@
+#ifndef HIMOE_TRAINER_EXPERT_BACKEND_H_
+#define HIMOE_TRAINER_EXPERT_BACKEND_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "absl/status/statusor.h"
+
+namespace himoe::trainer {
+
+using NamedTensor = std::pair<std::string, at::Tensor>;
+
+struct AdamWHyper {
+  double lr = 0;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+};
+
+// Where a model's experts live. "layer" counts MoE layers only. Every group
+// holds experts [g*S, (g+1)*S) of every MoE layer.
+class ExpertBackend {
+ public:
+  virtual ~ExpertBackend() = default;
+
+  // Experts of `layer` on each group's rows ([n_g, d], expert ids [n_g],
+  // sorted by expert). Differentiable w.r.t. the rows when `training`.
+  virtual absl::StatusOr<std::vector<at::Tensor>> Forward(
+      int layer, uint64_t step, uint32_t micro_batch, const std::vector<at::Tensor>& rows,
+      const std::vector<at::Tensor>& expert_ids, bool training) = 0;
+  // Sum over every expert shard of ||grad||^2.
+  virtual absl::StatusOr<double> GradNormSquared() = 0;
+  // AdamW on every shard with the gradients scaled by `grad_scale` (the global
+  // clip scale). Idempotent per step id.
+  virtual absl::Status Step(uint64_t step, const AdamWHyper& hyper, double grad_scale) = 0;
+  // Drops whatever a failed step left behind.
+  virtual absl::Status Abort(uint64_t step) = 0;
+  // A group's weights and optimizer state, for checkpoints.
+  virtual absl::StatusOr<std::vector<NamedTensor>> GetState(int group) = 0;
+  virtual absl::Status SetState(int group, const std::vector<NamedTensor>& state) = 0;
+  // Saved Forward states not yet consumed by Backward, over all groups.
+  virtual absl::StatusOr<int64_t> PendingSaved() = 0;
+  virtual int num_groups() const = 0;
+};
+
+struct ExpertBackendOptions {
+  int num_experts = 8;
+  int num_groups = 4;
+  int num_layers = 1;  // MoE layers
+  int64_t d_model = 0;
+  int64_t d_ff = 0;
+  uint64_t seed = 0;
+  c10::Device device = c10::Device(c10::kCPU);
+  // Remote only: one address per group.
+  std::vector<std::string> addresses;
+  std::chrono::milliseconds deadline{60000};
+  // Remote only: called with (group, RPC name, seconds) after every
+  // Forward/Backward/Step call, from gRPC threads.
+  std::function<void(int, const std::string&, double)> on_rpc;
+};
+
+// All groups in this process (ExpertGroup + ExpertOptimizer per group).
+absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateInProcessBackend(
+    const ExpertBackendOptions& options);
+
+// Groups on himoe-expert services; checks each service's Info against the
+// options (group id, sizes) before returning.
+absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateRemoteBackend(
+    const ExpertBackendOptions& options);
+
+}  // namespace himoe::trainer
+
+#endif  // HIMOE_TRAINER_EXPERT_BACKEND_H_

@@ -1,0 +1,188 @@
+#include "trainer/model.h"
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "common/torch_runtime.h"
+#include "router_service/local_moe.h"
+
+namespace himoe::trainer {
+
+int MoeIndex(const ModelOptions& o, int layer) {
+  if (o.moe_every == 1) return layer;
+  return layer % 2 == 1 ? layer / 2 : -1;
+}
+
+int NumMoeLayers(const ModelOptions& o) {
+  int n = 0;
+  for (int i = 0; i < o.n_layer; ++i) n += MoeIndex(o, i) >= 0;
+  return n;
+}
+
+TransformerLM::TransformerLM(const ModelOptions& o, ExpertBackend* experts)
+    : options_(o), experts_(experts) {
+  torch::manual_seed(o.seed);
+  wte_ = register_module("wte", torch::nn::Embedding(o.vocab_size, o.d_model));
+  wpe_ = register_module("wpe", torch::nn::Embedding(o.block_size, o.d_model));
+  for (int i = 0; i < o.n_layer; ++i) {
+    Block b;
+    const std::string p = absl::StrCat("h", i, "_");
+    b.ln1 = register_module(p + "ln1", torch::nn::LayerNorm(
+                                           torch::nn::LayerNormOptions({o.d_model})));
+    b.ln2 = register_module(p + "ln2", torch::nn::LayerNorm(
+                                           torch::nn::LayerNormOptions({o.d_model})));
+    b.qkv = register_module(p + "qkv", torch::nn::Linear(o.d_model, 3 * o.d_model));
+    b.proj = register_module(p + "proj", torch::nn::Linear(o.d_model, o.d_model));
+    b.moe = MoeIndex(o, i);
+    if (b.moe < 0) {
+      b.fc = register_module(p + "fc", torch::nn::Linear(o.d_model, o.dense_ff));
+      b.fc_out = register_module(p + "fc_out", torch::nn::Linear(o.dense_ff, o.d_model));
+    }
+    blocks_.push_back(b);
+  }
+  ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
+  // nanoGPT init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer).
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) {
+    const std::string& name = item.key();
+    at::Tensor& t = item.value();
+    if (name.find("ln") != std::string::npos) continue;  // LayerNorm keeps 1 / 0
+    if (name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0) {
+      t.zero_();
+    } else {
+      const bool residual = name.find("proj.weight") != std::string::npos ||
+                            name.find("fc_out.weight") != std::string::npos;
+      t.normal_(0.0, residual ? 0.02 / std::sqrt(2.0 * o.n_layer) : 0.02);
+    }
+  }
+}
+
+absl::StatusOr<std::shared_ptr<TransformerLM>> TransformerLM::Create(const ModelOptions& o,
+                                                                     ExpertBackend* experts) {
+  RETURN_IF_ERROR(router::ValidateRoutingConfig(o.routing));
+  if (o.vocab_size < 2 || o.block_size < 1 || o.n_layer < 1 || o.n_head < 1 ||
+      o.d_model % o.n_head != 0 || o.d_ff < 1 || o.dense_ff < 1 ||
+      (o.moe_every != 1 && o.moe_every != 2)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: need vocab_size >= 2, block_size >= 1, n_layer >= 1, d_model divisible by "
+        "n_head, d_ff, dense_ff >= 1, moe_every 1 or 2; got vocab ", o.vocab_size,
+        ", block ", o.block_size, ", layers ", o.n_layer, ", d_model ", o.d_model, ", heads ",
+        o.n_head, ", moe_every ", o.moe_every));
+  }
+  if (NumMoeLayers(o) < 1) return absl::InvalidArgumentError("model: no MoE layer");
+  if (experts == nullptr || experts->num_groups() != o.routing.num_groups) {
+    return absl::InvalidArgumentError("model: the expert backend must have num_groups groups");
+  }
+  std::shared_ptr<TransformerLM> model;
+  RETURN_IF_ERROR(CatchTorchErrors([&] {
+    model.reset(new TransformerLM(o, experts));
+    return absl::OkStatus();
+  }));
+  for (int m = 0; m < NumMoeLayers(o); ++m) {
+    router::RouterLayerOptions ro;
+    ro.config = o.routing;
+    ro.d_model = o.d_model;
+    ro.seed = router::RouterSeedFor(o.seed, m);
+    ASSIGN_OR_RETURN(auto r, router::RouterLayer::Create(ro));
+    const std::string p = absl::StrCat("moe", m, "_");
+    model->register_parameter(p + "gate", r->gate_weight());
+    model->register_buffer(p + "logit_ema", r->logit_ema());
+    model->register_buffer(p + "loss_free_bias", r->loss_free_bias());
+    model->routers_.push_back(std::move(r));
+  }
+  return model;
+}
+
+at::Tensor TransformerLM::Attention(Block& b, const at::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = options_.n_head;
+  const auto qkv = b.qkv->forward(x).split(C, 2);
+  const auto heads = [&](const at::Tensor& t) {
+    return t.view({B, T, H, C / H}).transpose(1, 2);
+  };
+  const at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(C / H));
+  const at::Tensor mask = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
+  att = at::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
+  const at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
+  return b.proj->forward(y);
+}
+
+absl::StatusOr<at::Tensor> TransformerLM::MoeFfn(int moe, const at::Tensor& x, uint64_t step,
+                                                 uint32_t micro_batch, bool training,
+                                                 ModelOutput* out) {
+  const at::Tensor h = x.reshape({-1, options_.d_model});
+  ASSIGN_OR_RETURN(router::RoutingOutput routing, routers_[moe]->Route(h, training));
+  std::vector<at::Tensor> rows, ids;
+  for (const router::GroupDispatch& d : routing.groups) {
+    rows.push_back(h.index_select(0, d.token_rows));
+    ids.push_back(d.expert_ids);
+  }
+  ASSIGN_OR_RETURN(std::vector<at::Tensor> outputs,
+                   experts_->Forward(moe, step, micro_batch, rows, ids, training));
+  for (size_t g = 0; g < outputs.size(); ++g) {
+    if (!outputs[g].defined()) outputs[g] = at::zeros({0, options_.d_model}, h.options());
+  }
+  const at::Tensor y =
+      router::CombineGroupOutputs(h.size(0), options_.d_model, routing.groups, outputs);
+  out->aux.load = out->aux.load + routing.losses.load;
+  out->aux.intra = out->aux.intra + routing.losses.intra;
+  out->aux.inter = out->aux.inter + routing.losses.inter;
+  out->aux.z = out->aux.z + routing.losses.z;
+  out->stats.push_back(std::move(routing.stats));
+  return y.view(x.sizes());
+}
+
+absl::StatusOr<ModelOutput> TransformerLM::Forward(const at::Tensor& idx, const at::Tensor& targets,
+                                                   uint64_t step, uint32_t micro_batch,
+                                                   bool training) {
+  if (idx.dim() != 2 || idx.size(1) > options_.block_size || idx.size(1) < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("model: input must be [B, T <= ",
+                                                   options_.block_size, "]"));
+  }
+  ModelOutput out;
+  const at::Tensor zero = at::zeros({});
+  out.aux = {zero, zero, zero, zero};
+  absl::Status status = CatchTorchErrors([&]() -> absl::Status {
+    const int64_t T = idx.size(1);
+    at::Tensor x = wte_->forward(idx) + wpe_->forward(at::arange(T, idx.options()));
+    for (Block& b : blocks_) {
+      x = x + Attention(b, b.ln1->forward(x));
+      const at::Tensor n = b.ln2->forward(x);
+      if (b.moe >= 0) {
+        ASSIGN_OR_RETURN(at::Tensor y, MoeFfn(b.moe, n, step, micro_batch, training, &out));
+        x = x + y;
+      } else {
+        x = x + b.fc_out->forward(at::gelu(b.fc->forward(n)));
+      }
+    }
+    out.logits = at::linear(ln_f_->forward(x), wte_->weight);  // tied head
+    if (targets.defined()) {
+      out.task_loss = at::cross_entropy_loss(out.logits.view({-1, options_.vocab_size}),
+                                             targets.reshape(-1));
+    }
+    return absl::OkStatus();
+  });
+  RETURN_IF_ERROR(status);
+  return out;
+}
+
+std::vector<at::Tensor> TransformerLM::DecayedParameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : parameters()) {
+    if (p.dim() >= 2) out.push_back(p);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> TransformerLM::UndecayedParameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : parameters()) {
+    if (p.dim() < 2) out.push_back(p);
+  }
+  return out;
+}
+
+}  // namespace himoe::trainer

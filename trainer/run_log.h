@@ -1,0 +1,50 @@
+#ifndef HIMOE_TRAINER_RUN_LOG_H_
+#define HIMOE_TRAINER_RUN_LOG_H_
+
+#include <cstdint>
+#include <deque>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "trainer/trainer.h"
+
+namespace himoe::trainer {
+
+// What a person and a plot see of a run: one JSON object per line in
+// metrics.jsonl (kind "train" per step, "eval" per evaluation), a live
+// progress line, and the final per-layer balance table.
+class RunLog {
+ public:
+  // `append` keeps an existing file (a resumed run).
+  static absl::StatusOr<std::unique_ptr<RunLog>> Create(const std::string& jsonl_path,
+                                                        int64_t total_steps, int window,
+                                                        bool append = false);
+
+  void OnStep(const StepResult& step);
+  void OnEval(int64_t step, double val_loss);
+  // "step 120/600 | loss 2.31 | val ppl 9.84 | CV 0.12 | 5.3k tok/s | ETA 1m12s"
+  std::string ProgressLine() const;
+  // Expert CV, group CV, MaxVio, groups/token per MoE layer over the last
+  // `window` steps (counts summed, then the statistic).
+  std::string FinalReport() const;
+  double last_val_loss() const { return last_val_loss_; }
+
+ private:
+  RunLog(std::ofstream out, int64_t total_steps, int window)
+      : out_(std::move(out)), total_steps_(total_steps), window_(window) {}
+
+  std::ofstream out_;
+  int64_t total_steps_;
+  int window_;
+  std::deque<StepResult> recent_;
+  double seconds_ = 0;
+  int64_t steps_seen_ = 0;  // by this process (a resumed run starts late)
+  int64_t tokens_ = 0;
+  double last_val_loss_ = -1;
+};
+
+}  // namespace himoe::trainer
+
+#endif  // HIMOE_TRAINER_RUN_LOG_H_

@@ -1,0 +1,159 @@
+#include "trainer/trainer.h"
+
+#include <chrono>
+#include <cmath>
+
+#include <torch/torch.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "common/torch_runtime.h"
+
+namespace himoe::trainer {
+
+double CosineLearningRate(const TrainerOptions& o, int64_t step) {
+  if (step < o.warmup_steps) return o.lr * (step + 1) / static_cast<double>(o.warmup_steps + 1);
+  if (step >= o.steps || o.steps <= o.warmup_steps) return o.min_lr;
+  const double ratio =
+      static_cast<double>(step - o.warmup_steps) / static_cast<double>(o.steps - o.warmup_steps);
+  return o.min_lr + 0.5 * (1.0 + std::cos(M_PI * ratio)) * (o.lr - o.min_lr);
+}
+
+Trainer::Trainer(const TrainerOptions& options) : options_(options) {}
+Trainer::~Trainer() = default;
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o) {
+  if (o.steps < 1 || o.batch_size < 1 || o.grad_accum < 1 || o.lr < 0 || o.min_lr < 0 ||
+      o.warmup_steps < 0 || o.weight_decay < 0 || o.grad_clip < 0) {
+    return absl::InvalidArgumentError(
+        "trainer: steps, batch_size, grad_accum >= 1; lr, min_lr, warmup_steps, "
+        "weight_decay, grad_clip >= 0");
+  }
+  std::unique_ptr<Trainer> t(new Trainer(o));
+  ASSIGN_OR_RETURN(t->corpus_, Corpus::Create(o.data));
+  TrainerOptions& opts = t->options_;
+  opts.model.vocab_size = t->corpus_->vocab_size();
+  BatchSamplerOptions so;
+  so.batch_size = o.batch_size;
+  so.block_size = o.model.block_size;
+  so.seed = o.seed;
+  ASSIGN_OR_RETURN(t->sampler_, BatchSampler::Create(t->corpus_->train(), so));
+  EvalOptions eo;
+  eo.batch_size = o.batch_size;
+  eo.block_size = o.model.block_size;
+  eo.max_windows = o.eval_windows;
+  ASSIGN_OR_RETURN(t->eval_, EvalWindows::Create(t->corpus_->val(), eo));
+
+  ExpertBackendOptions bo;
+  bo.num_experts = o.model.routing.num_experts;
+  bo.num_groups = o.model.routing.num_groups;
+  bo.num_layers = NumMoeLayers(o.model);
+  bo.d_model = o.model.d_model;
+  bo.d_ff = o.model.d_ff;
+  bo.seed = o.model.seed;
+  bo.addresses = o.expert_addresses;
+  bo.on_rpc = o.on_rpc;
+  if (o.remote_experts) {
+    ASSIGN_OR_RETURN(t->experts_, CreateRemoteBackend(bo));
+  } else {
+    ASSIGN_OR_RETURN(t->experts_, CreateInProcessBackend(bo));
+  }
+  ASSIGN_OR_RETURN(t->model_, TransformerLM::Create(opts.model, t->experts_.get()));
+  RETURN_IF_ERROR(CatchTorchErrors([&] {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    auto decayed = std::make_unique<torch::optim::AdamWOptions>(o.lr);
+    decayed->betas({o.beta1, o.beta2}).weight_decay(o.weight_decay);
+    auto undecayed = std::make_unique<torch::optim::AdamWOptions>(o.lr);
+    undecayed->betas({o.beta1, o.beta2}).weight_decay(0.0);
+    groups.emplace_back(t->model_->DecayedParameters(), std::move(decayed));
+    groups.emplace_back(t->model_->UndecayedParameters(), std::move(undecayed));
+    t->optimizer_ = std::make_unique<torch::optim::AdamW>(
+        groups, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}));
+    return absl::OkStatus();
+  }));
+  return t;
+}
+
+absl::StatusOr<StepResult> Trainer::Step() {
+  const auto start = std::chrono::steady_clock::now();
+  const uint64_t step = static_cast<uint64_t>(step_ + 1);
+  StepResult r;
+  r.step = step_ + 1;
+  r.lr = CosineLearningRate(options_, step_);
+  const double accum = options_.grad_accum;
+  absl::Status status = CatchTorchErrors([&]() -> absl::Status {
+    model_->train();
+    optimizer_->zero_grad();
+    for (int mb = 0; mb < options_.grad_accum; ++mb) {
+      const Batch batch = sampler_->Next();
+      ASSIGN_OR_RETURN(ModelOutput out,
+                       model_->Forward(batch.x, batch.y, step, static_cast<uint32_t>(mb), true));
+      const at::Tensor loss = out.task_loss + out.aux.Total();
+      (loss / accum).backward();
+      r.loss += loss.item<double>() / accum;
+      r.task += out.task_loss.item<double>() / accum;
+      r.load += out.aux.load.item<double>() / accum;
+      r.intra += out.aux.intra.item<double>() / accum;
+      r.inter += out.aux.inter.item<double>() / accum;
+      r.z += out.aux.z.item<double>() / accum;
+      r.tokens += batch.x.numel();
+      r.layers = std::move(out.stats);
+    }
+    // One clip scale over every shard: dense here, experts on the groups.
+    double norm2 = 0;
+    for (const auto& p : model_->parameters()) {
+      if (p.grad().defined()) norm2 += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+    }
+    ASSIGN_OR_RETURN(const double expert_norm2, experts_->GradNormSquared());
+    r.grad_norm = std::sqrt(norm2 + expert_norm2);
+    const double scale = options_.grad_clip > 0 && r.grad_norm > options_.grad_clip
+                             ? options_.grad_clip / (r.grad_norm + 1e-6)
+                             : 1.0;
+    {
+      torch::NoGradGuard no_grad;
+      for (const auto& p : model_->parameters()) {
+        if (p.grad().defined()) p.grad().mul_(scale);
+      }
+    }
+    for (auto& group : optimizer_->param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(r.lr);
+    }
+    optimizer_->step();
+    AdamWHyper hyper;
+    hyper.lr = r.lr;
+    hyper.weight_decay = options_.weight_decay;
+    hyper.beta1 = options_.beta1;
+    hyper.beta2 = options_.beta2;
+    RETURN_IF_ERROR(experts_->Step(step, hyper, scale));
+    for (int m = 0; m < model_->num_moe_layers(); ++m) model_->router(m).ApplyLossFreeBiasUpdate();
+    return absl::OkStatus();
+  });
+  if (!status.ok()) {
+    // Free whatever the services saved for this step; keep the first error.
+    experts_->Abort(step).IgnoreError();
+    return status;
+  }
+  ++step_;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+absl::StatusOr<double> Trainer::Evaluate() {
+  double total = 0;
+  int64_t batches = 0;
+  RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+    torch::NoGradGuard no_grad;
+    model_->eval();
+    for (int64_t i = 0; i < eval_->num_batches(); ++i) {
+      const Batch batch = eval_->GetBatch(i);
+      ASSIGN_OR_RETURN(ModelOutput out, model_->Forward(batch.x, batch.y, 0, 0, false));
+      total += out.task_loss.item<double>();
+      ++batches;
+    }
+    return absl::OkStatus();
+  }));
+  if (batches == 0) return absl::FailedPreconditionError("no validation windows");
+  return total / batches;
+}
+
+}  // namespace himoe::trainer

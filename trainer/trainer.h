@@ -1,0 +1,99 @@
+#ifndef HIMOE_TRAINER_TRAINER_H_
+#define HIMOE_TRAINER_TRAINER_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "router_service/router_layer.h"
+#include "trainer/data.h"
+#include "trainer/expert_backend.h"
+#include "trainer/model.h"
+
+namespace torch::optim {
+class AdamW;
+}
+
+namespace himoe::trainer {
+
+struct TrainerOptions {
+  ModelOptions model;
+  DataOptions data;
+  // Experts: in this process (LocalMoE-style) or on himoe-expert services
+  // (one address per group).
+  bool remote_experts = false;
+  std::vector<std::string> expert_addresses;
+  // Remote experts: (group, RPC, seconds) of every call, from gRPC threads.
+  std::function<void(int, const std::string&, double)> on_rpc;
+
+  int64_t steps = 200;
+  int64_t batch_size = 16;
+  int grad_accum = 1;
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int64_t warmup_steps = 20;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double grad_clip = 1.0;  // 0 = off
+  int64_t eval_every = 50;
+  int64_t eval_windows = 64;
+  uint64_t seed = 1;
+};
+
+// Warmup then cosine decay to min_lr at the last step (nanoGPT's schedule).
+double CosineLearningRate(const TrainerOptions& options, int64_t step);
+
+struct StepResult {
+  int64_t step = 0;  // 1-based
+  double lr = 0;
+  double loss = 0;  // task + every auxiliary term
+  double task = 0;  // cross entropy; perplexity = exp(task)
+  double load = 0, intra = 0, inter = 0, z = 0;
+  double grad_norm = 0;  // before clipping, over dense and every expert shard
+  int64_t tokens = 0;
+  double seconds = 0;
+  std::vector<router::RoutingStats> layers;  // per MoE layer, last micro-batch
+};
+
+// Trains the LM: dense parts and routers here, experts in the backend.
+// One optimizer step = grad_accum micro-batches, one global grad-norm clip
+// over all shards, AdamW on both sides, then the loss_free bias update.
+class Trainer {
+ public:
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const TrainerOptions& options);
+  ~Trainer();
+
+  absl::StatusOr<StepResult> Step();
+  // Mean cross entropy over the fixed validation windows.
+  absl::StatusOr<double> Evaluate();
+
+  int64_t step() const { return step_; }
+  // For checkpoint/resume.
+  void set_step(int64_t step) { step_ = step; }
+  torch::optim::AdamW& optimizer() { return *optimizer_; }
+  BatchSampler& sampler() { return *sampler_; }
+  TransformerLM& model() { return *model_; }
+  ExpertBackend& experts() { return *experts_; }
+  const Corpus& corpus() const { return *corpus_; }
+  const TrainerOptions& options() const { return options_; }
+
+ private:
+  explicit Trainer(const TrainerOptions& options);
+
+  TrainerOptions options_;
+  std::unique_ptr<Corpus> corpus_;
+  std::unique_ptr<BatchSampler> sampler_;
+  std::unique_ptr<EvalWindows> eval_;
+  std::unique_ptr<ExpertBackend> experts_;
+  std::shared_ptr<TransformerLM> model_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  int64_t step_ = 0;
+};
+
+}  // namespace himoe::trainer
+
+#endif  // HIMOE_TRAINER_TRAINER_H_

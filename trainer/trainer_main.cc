@@ -1,0 +1,262 @@
+// himoe-trainer: trains a Hi-MoE LM; dense parts and routers here, experts on
+// expert-group services (spawned locally, or listed in a cluster file) or in
+// this process.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <glog/logging.h>
+#include <prometheus/exposer.h>
+#include <prometheus/registry.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/cluster_config.h"
+#include "common/status_macros.h"
+#include "common/torch_runtime.h"
+#include "deploy/local/local_cluster.h"
+#include "router_service/routing_config.h"
+#include "trainer/checkpoint.h"
+#include "trainer/run_log.h"
+#include "trainer/trainer.h"
+#include "trainer/trainer_metrics.h"
+
+ABSL_FLAG(std::string, experts, "local",
+          "where the experts run: local (spawn M himoe-expert processes on 127.0.0.1), "
+          "cluster (the services of --cluster), or inprocess");
+ABSL_FLAG(std::string, cluster, "", "cluster file (with --experts=cluster)");
+ABSL_FLAG(std::string, data, "",
+          "comma-separated files/directories; default: the fortunes corpus");
+ABSL_FLAG(std::string, format, "auto", "bytes | nanogpt | auto");
+ABSL_FLAG(double, val_fraction, 0.1, "bytes format: share of each file held out");
+ABSL_FLAG(std::string, method, "himoe", "vanilla | st_moe | loss_free | moge | himoe");
+ABSL_FLAG(std::string, preset, "paper", "paper | reference");
+ABSL_FLAG(double, temperature, 1.0, "T of softmax((g - tau gbar)/T)");
+ABSL_FLAG(double, tau, 0.01, "bias-correction strength");
+ABSL_FLAG(double, ema_beta, 0.9, "EMA factor of the router logits");
+ABSL_FLAG(double, lambda_intra, 0.1, "R_intra weight");
+ABSL_FLAG(double, lambda_inter, 0.05, "R_inter weight");
+ABSL_FLAG(double, alpha, 0.01, "load-loss weight");
+ABSL_FLAG(double, z_coef, 0.001, "z-loss weight (st_moe)");
+ABSL_FLAG(double, capacity_factor, -1, "expert capacity factor; -1 = the preset's");
+ABSL_FLAG(int, num_experts, 8, "N");
+ABSL_FLAG(int, num_groups, 4, "M (one expert process each)");
+ABSL_FLAG(int, top_k, 1, "k experts per group");
+ABSL_FLAG(int, n_layer, 4, "transformer layers");
+ABSL_FLAG(int, n_head, 4, "attention heads");
+ABSL_FLAG(int64_t, d_model, 128, "model width");
+ABSL_FLAG(int64_t, d_ff, 256, "expert hidden width");
+ABSL_FLAG(int64_t, dense_ff, 512, "dense FFN hidden width");
+ABSL_FLAG(int64_t, block_size, 64, "context length");
+ABSL_FLAG(int, moe_every, 1, "MoE FFN on every layer (1) or every other layer (2)");
+ABSL_FLAG(int64_t, steps, 600, "optimizer steps");
+ABSL_FLAG(int64_t, batch_size, 16, "sequences per micro-batch");
+ABSL_FLAG(int, grad_accum, 1, "micro-batches per step");
+ABSL_FLAG(double, lr, 2e-3, "peak learning rate");
+ABSL_FLAG(double, min_lr, 2e-4, "final learning rate");
+ABSL_FLAG(int64_t, warmup, 30, "warmup steps");
+ABSL_FLAG(double, weight_decay, 0.1, "AdamW weight decay (matrices only)");
+ABSL_FLAG(double, grad_clip, 1.0, "global grad-norm clip over all shards; 0 = off");
+ABSL_FLAG(int64_t, eval_every, 100, "validation every N steps");
+ABSL_FLAG(int64_t, eval_windows, 64, "validation windows of block_size tokens");
+ABSL_FLAG(uint64_t, seed, 1, "seed of weights and batches");
+ABSL_FLAG(int, threads, 0, "torch threads of this process; 0 = all cores");
+ABSL_FLAG(int, expert_threads, 1, "torch threads per spawned expert process");
+ABSL_FLAG(std::string, out_dir, "runs/latest", "metrics.jsonl and logs go here");
+ABSL_FLAG(int, metrics_port, -1, "Prometheus /metrics port; 0 picks one, -1 = off");
+ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "interface of the metrics endpoint");
+ABSL_FLAG(int64_t, checkpoint_every, 0, "checkpoint every N steps (and at the end); 0 = off");
+ABSL_FLAG(int, keep_checkpoints, 3, "checkpoints kept (the newest)");
+ABSL_FLAG(bool, resume, false, "resume from the newest checkpoint in <out_dir>/checkpoints");
+ABSL_FLAG(int64_t, log_every, 10, "progress line every N steps when not on a terminal");
+
+namespace himoe::trainer {
+namespace {
+
+absl::StatusOr<router::RoutingConfig> RoutingFromFlags() {
+  router::RoutingConfig c;
+  c.num_experts = absl::GetFlag(FLAGS_num_experts);
+  c.num_groups = absl::GetFlag(FLAGS_num_groups);
+  c.top_k = absl::GetFlag(FLAGS_top_k);
+  ASSIGN_OR_RETURN(c.method, router::ParseRoutingMethod(absl::GetFlag(FLAGS_method)));
+  RETURN_IF_ERROR(router::ApplyPreset(absl::GetFlag(FLAGS_preset), &c));
+  c.temperature = absl::GetFlag(FLAGS_temperature);
+  c.tau = absl::GetFlag(FLAGS_tau);
+  c.ema_beta = absl::GetFlag(FLAGS_ema_beta);
+  c.lambda_intra = absl::GetFlag(FLAGS_lambda_intra);
+  c.lambda_inter = absl::GetFlag(FLAGS_lambda_inter);
+  c.alpha = absl::GetFlag(FLAGS_alpha);
+  c.z_coef = absl::GetFlag(FLAGS_z_coef);
+  if (absl::GetFlag(FLAGS_capacity_factor) >= 0) {
+    c.capacity_factor = absl::GetFlag(FLAGS_capacity_factor);
+  }
+  RETURN_IF_ERROR(router::ValidateRoutingConfig(c));
+  return c;
+}
+
+absl::Status Run() {
+  RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
+  TrainerOptions o;
+  ModelOptions& m = o.model;
+  ASSIGN_OR_RETURN(m.routing, RoutingFromFlags());
+  m.n_layer = absl::GetFlag(FLAGS_n_layer);
+  m.n_head = absl::GetFlag(FLAGS_n_head);
+  m.d_model = absl::GetFlag(FLAGS_d_model);
+  m.d_ff = absl::GetFlag(FLAGS_d_ff);
+  m.dense_ff = absl::GetFlag(FLAGS_dense_ff);
+  m.block_size = absl::GetFlag(FLAGS_block_size);
+  m.moe_every = absl::GetFlag(FLAGS_moe_every);
+  m.seed = absl::GetFlag(FLAGS_seed);
+  const std::string data = absl::GetFlag(FLAGS_data);
+  o.data.paths = data.empty() ? DefaultCorpusPaths()
+                              : std::vector<std::string>(absl::StrSplit(data, ',', absl::SkipEmpty()));
+  o.data.format = absl::GetFlag(FLAGS_format);
+  o.data.val_fraction = absl::GetFlag(FLAGS_val_fraction);
+  o.steps = absl::GetFlag(FLAGS_steps);
+  o.batch_size = absl::GetFlag(FLAGS_batch_size);
+  o.grad_accum = absl::GetFlag(FLAGS_grad_accum);
+  o.lr = absl::GetFlag(FLAGS_lr);
+  o.min_lr = absl::GetFlag(FLAGS_min_lr);
+  o.warmup_steps = absl::GetFlag(FLAGS_warmup);
+  o.weight_decay = absl::GetFlag(FLAGS_weight_decay);
+  o.grad_clip = absl::GetFlag(FLAGS_grad_clip);
+  o.eval_every = absl::GetFlag(FLAGS_eval_every);
+  o.eval_windows = absl::GetFlag(FLAGS_eval_windows);
+  o.seed = absl::GetFlag(FLAGS_seed);
+
+  const std::string out_dir = absl::GetFlag(FLAGS_out_dir);
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("--out_dir ", out_dir, ": ", ec.message()));
+
+  const std::string mode = absl::GetFlag(FLAGS_experts);
+  std::unique_ptr<local::LocalExpertCluster> spawned;
+  if (mode == "local") {
+    local::ExpertProcessOptions e;
+    e.num_groups = m.routing.num_groups;
+    e.num_experts = m.routing.num_experts;
+    e.num_layers = NumMoeLayers(m);
+    e.d_model = m.d_model;
+    e.d_ff = m.d_ff;
+    e.seed = m.seed;
+    e.threads = absl::GetFlag(FLAGS_expert_threads);
+    e.log_dir = absl::StrCat(out_dir, "/experts");
+    ASSIGN_OR_RETURN(spawned, local::LocalExpertCluster::Start(e));
+    o.remote_experts = true;
+    o.expert_addresses = spawned->addresses();
+    std::cerr << "experts: " << m.routing.num_groups << " himoe-expert processes on "
+              << absl::StrJoin(o.expert_addresses, ", ") << " (logs in " << spawned->log_dir()
+              << ")\n";
+  } else if (mode == "cluster") {
+    ASSIGN_OR_RETURN(const v1::ClusterConfig cluster,
+                     LoadClusterConfig(absl::GetFlag(FLAGS_cluster)));
+    ASSIGN_OR_RETURN(m.routing, router::RoutingConfigFromCluster(cluster));
+    m.d_model = cluster.model().d_model();
+    m.d_ff = cluster.model().d_ff();
+    m.seed = cluster.model().seed();
+    if (NumMoeLayers(m) != cluster.model().num_layers()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--cluster: model.num_layers is ", cluster.model().num_layers(), " but this model has ",
+          NumMoeLayers(m), " MoE layers (--n_layer, --moe_every)"));
+    }
+    o.remote_experts = true;
+    for (const auto& g : cluster.groups()) o.expert_addresses.push_back(g.address());
+  } else if (mode != "inprocess") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--experts: expected local, cluster or inprocess, got '", mode, "'"));
+  }
+
+  // Metrics first, so the RPC latencies of the first step are seen.
+  auto registry = std::make_shared<prometheus::Registry>();
+  std::unique_ptr<prometheus::Exposer> exposer;
+  std::unique_ptr<TrainerMetrics> metrics;
+  if (const int port = absl::GetFlag(FLAGS_metrics_port); port >= 0) {
+    try {
+      exposer = std::make_unique<prometheus::Exposer>(
+          absl::StrCat(absl::GetFlag(FLAGS_metrics_address), ":", port));
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("--metrics_port ", port, ": ", e.what()));
+    }
+    exposer->RegisterCollectable(registry);
+    metrics = std::make_unique<TrainerMetrics>(*registry, NumMoeLayers(m), m.routing.num_groups,
+                                               m.routing.num_experts);
+    TrainerMetrics* sink = metrics.get();
+    o.on_rpc = [sink](int group, const std::string& rpc, double seconds) {
+      sink->OnRpc(group, rpc, seconds);
+    };
+    std::cerr << "metrics: http://127.0.0.1:" << exposer->GetListeningPorts().front()
+              << "/metrics\n";
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(o));
+  const std::string checkpoints = absl::StrCat(out_dir, "/checkpoints");
+  if (absl::GetFlag(FLAGS_resume)) {
+    ASSIGN_OR_RETURN(const std::string dir, LatestCheckpoint(checkpoints));
+    RETURN_IF_ERROR(LoadCheckpoint(*trainer, dir));
+    std::cerr << "resumed from " << dir << " at step " << trainer->step() << "\n";
+  }
+  std::cerr << trainer->corpus().Describe() << "\n"
+            << "routing: " << router::RoutingConfigDebugString(m.routing) << "\n";
+  ASSIGN_OR_RETURN(std::unique_ptr<RunLog> log,
+                   RunLog::Create(absl::StrCat(out_dir, "/metrics.jsonl"), o.steps, 50,
+                                  /*append=*/absl::GetFlag(FLAGS_resume)));
+  const bool tty = isatty(STDERR_FILENO);
+  ASSIGN_OR_RETURN(double val, trainer->Evaluate());
+  log->OnEval(trainer->step(), val);
+  if (metrics != nullptr) metrics->OnEval(val);
+  const double first_val = val;
+  std::cerr << absl::StrFormat("step %d: val loss %.4f, val ppl %.3f\n", trainer->step(), val,
+                               std::exp(val));
+  while (trainer->step() < o.steps) {
+    if (spawned != nullptr) RETURN_IF_ERROR(spawned->CheckAlive());
+    ASSIGN_OR_RETURN(const StepResult r, trainer->Step());
+    log->OnStep(r);
+    if (metrics != nullptr) metrics->OnStep(r);
+    const bool eval = r.step % o.eval_every == 0 || r.step == o.steps;
+    if (eval) {
+      ASSIGN_OR_RETURN(val, trainer->Evaluate());
+      log->OnEval(r.step, val);
+      if (metrics != nullptr) metrics->OnEval(val);
+    }
+    const int64_t every = absl::GetFlag(FLAGS_checkpoint_every);
+    if (every > 0 && (r.step % every == 0 || r.step == o.steps)) {
+      RETURN_IF_ERROR(SaveCheckpoint(*trainer, checkpoints, absl::GetFlag(FLAGS_keep_checkpoints)));
+    }
+    if (tty) {
+      std::cerr << "\r\033[K" << log->ProgressLine() << std::flush;
+      if (eval) std::cerr << "\n";
+    } else if (r.step % absl::GetFlag(FLAGS_log_every) == 0 || eval) {
+      std::cerr << log->ProgressLine() << "\n";
+    }
+  }
+  std::cerr << "\n" << log->FinalReport();
+  std::cerr << absl::StrFormat(
+      "validation: loss %.4f -> %.4f, perplexity %.3f -> %.3f (task cross-entropy only)\n"
+      "metrics: %s/metrics.jsonl\n",
+      first_val, val, std::exp(first_val), std::exp(val), out_dir);
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace himoe::trainer
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+  const absl::Status status = himoe::trainer::Run();
+  if (!status.ok()) {
+    std::cerr << "himoe-trainer: " << status << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,128 @@
+#include "trainer/trainer_metrics.h"
+
+#include <cmath>
+
+namespace himoe::trainer {
+namespace {
+
+prometheus::Histogram::BucketBoundaries SecondsBuckets() {
+  return {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
+}
+
+}  // namespace
+
+TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_groups,
+                               int num_experts)
+    : num_groups_(num_groups),
+      loss_(prometheus::BuildGauge()
+                .Name("himoe_trainer_loss")
+                .Help("Training loss of the last step by kind: task (cross entropy), load, "
+                      "intra, inter, z, total")
+                .Register(r)),
+      rpc_(prometheus::BuildHistogram()
+               .Name("himoe_trainer_expert_rpc_duration_seconds")
+               .Help("Expert-group RPC latency seen by the coordinator")
+               .Register(r)) {
+  auto& tokens = prometheus::BuildCounter()
+                     .Name("himoe_trainer_tokens_total")
+                     .Help("Routed (token, expert) assignments in training")
+                     .Register(r);
+  const auto gauge = [&](const char* name, const char* help) -> auto& {
+    return prometheus::BuildGauge().Name(name).Help(help).Register(r);
+  };
+  auto& expert_cv = gauge("himoe_trainer_expert_cv", "Expert-load CV of the last step");
+  auto& group_cv = gauge("himoe_trainer_group_cv", "Group-load CV of the last step");
+  auto& max_vio = gauge("himoe_trainer_max_violation", "MaxVio of the last step");
+  auto& gpt = gauge("himoe_trainer_groups_per_token", "Mean distinct groups per token");
+  auto& c_ov = gauge("himoe_trainer_routing_overlap", "C_ov = mean(1 - ||pi||^2)");
+  auto& c_sys = gauge("himoe_trainer_system_concentration", "C_sys = mean ||pi_tilde||^2");
+  auto& lhs = gauge("himoe_trainer_theorem1_lhs", "Theorem 1: CV_group^2 + 1 = M ||rbar||^2");
+  auto& rhs = gauge("himoe_trainer_theorem1_rhs",
+                    "Theorem 1 bound: M S_max mean ||pi_tilde_normalized||^2");
+  auto& drop = gauge("himoe_trainer_drop_rate", "Share of assignments dropped by capacity");
+  const int s = num_experts / num_groups;
+  for (int l = 0; l < num_layers; ++l) {
+    const std::string layer = std::to_string(l);
+    Layer x;
+    for (int e = 0; e < num_experts; ++e) {
+      x.tokens.push_back(&tokens.Add(
+          {{"layer", layer}, {"group", std::to_string(e / s)}, {"expert", std::to_string(e)}}));
+    }
+    x.expert_cv = &expert_cv.Add({{"layer", layer}});
+    x.group_cv = &group_cv.Add({{"layer", layer}});
+    x.max_vio = &max_vio.Add({{"layer", layer}});
+    x.groups_per_token = &gpt.Add({{"layer", layer}});
+    x.c_ov = &c_ov.Add({{"layer", layer}});
+    x.c_sys = &c_sys.Add({{"layer", layer}});
+    x.cert_lhs = &lhs.Add({{"layer", layer}});
+    x.cert_rhs = &rhs.Add({{"layer", layer}});
+    x.drop_rate = &drop.Add({{"layer", layer}});
+    layers_.push_back(x);
+  }
+  val_loss_ = &gauge("himoe_trainer_val_loss", "Validation cross entropy").Add({});
+  val_ppl_ = &gauge("himoe_trainer_val_perplexity", "exp(validation cross entropy)").Add({});
+  tokens_per_second_ =
+      &gauge("himoe_trainer_tokens_per_second", "Training tokens per second, last step").Add({});
+  step_ = &gauge("himoe_trainer_step", "Optimizer steps done").Add({});
+  lr_ = &gauge("himoe_trainer_learning_rate", "Learning rate of the last step").Add({});
+  grad_norm_ = &gauge("himoe_trainer_grad_norm",
+                      "Global gradient norm over all shards, before clipping")
+                    .Add({});
+  step_seconds_ = &prometheus::BuildHistogram()
+                       .Name("himoe_trainer_step_duration_seconds")
+                       .Help("Wall time of one optimizer step")
+                       .Register(r)
+                       .Add({}, SecondsBuckets());
+  trained_tokens_ = &prometheus::BuildCounter()
+                         .Name("himoe_trainer_trained_tokens_total")
+                         .Help("Tokens trained on")
+                         .Register(r)
+                         .Add({});
+  // Create the RPC series up front so dashboards see them before traffic.
+  for (int g = 0; g < num_groups; ++g) {
+    for (const char* rpc : {"Forward", "Backward", "Step"}) {
+      rpc_.Add({{"group", std::to_string(g)}, {"rpc", rpc}}, SecondsBuckets());
+    }
+  }
+}
+
+void TrainerMetrics::OnStep(const StepResult& s) {
+  const std::pair<const char*, double> kinds[] = {{"task", s.task},   {"load", s.load},
+                                                  {"intra", s.intra}, {"inter", s.inter},
+                                                  {"z", s.z},         {"total", s.loss}};
+  for (const auto& [kind, value] : kinds) loss_.Add({{"kind", kind}}).Set(value);
+  for (size_t l = 0; l < s.layers.size() && l < layers_.size(); ++l) {
+    const router::RoutingStats& st = s.layers[l];
+    Layer& x = layers_[l];
+    for (size_t e = 0; e < st.expert_counts.size() && e < x.tokens.size(); ++e) {
+      x.tokens[e]->Increment(st.expert_counts[e]);
+    }
+    x.expert_cv->Set(st.expert_cv);
+    x.group_cv->Set(st.group_cv);
+    x.max_vio->Set(st.max_vio);
+    x.groups_per_token->Set(st.groups_per_token);
+    x.c_ov->Set(st.c_ov);
+    x.c_sys->Set(st.c_sys);
+    x.cert_lhs->Set(st.cert_lhs);
+    x.cert_rhs->Set(st.cert_rhs);
+    x.drop_rate->Set(st.drop_rate);
+  }
+  tokens_per_second_->Set(s.tokens / std::max(s.seconds, 1e-9));
+  step_->Set(static_cast<double>(s.step));
+  lr_->Set(s.lr);
+  grad_norm_->Set(s.grad_norm);
+  step_seconds_->Observe(s.seconds);
+  trained_tokens_->Increment(static_cast<double>(s.tokens));
+}
+
+void TrainerMetrics::OnEval(double val_loss) {
+  val_loss_->Set(val_loss);
+  val_ppl_->Set(std::exp(val_loss));
+}
+
+void TrainerMetrics::OnRpc(int group, const std::string& rpc, double seconds) {
+  if (group < 0 || group >= num_groups_) return;
+  rpc_.Add({{"group", std::to_string(group)}, {"rpc", rpc}}, SecondsBuckets()).Observe(seconds);
+}
+
+}  // namespace himoe::trainer

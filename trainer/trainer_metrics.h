@@ -1,0 +1,47 @@
+#ifndef HIMOE_TRAINER_TRAINER_METRICS_H_
+#define HIMOE_TRAINER_TRAINER_METRICS_H_
+
+#include <string>
+#include <vector>
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include "trainer/trainer.h"
+
+namespace himoe::trainer {
+
+// The trainer's Prometheus metrics (README "Metrics"). Labels are bounded:
+// loss kinds, MoE layers x groups x experts, groups x RPC names.
+class TrainerMetrics {
+ public:
+  TrainerMetrics(prometheus::Registry& registry, int num_layers, int num_groups,
+                 int num_experts);
+
+  void OnStep(const StepResult& step);
+  void OnEval(double val_loss);
+  // Thread-safe; called from gRPC threads.
+  void OnRpc(int group, const std::string& rpc, double seconds);
+
+ private:
+  struct Layer {
+    std::vector<prometheus::Counter*> tokens;  // per expert
+    prometheus::Gauge *expert_cv, *group_cv, *max_vio, *groups_per_token, *c_ov, *c_sys,
+        *cert_lhs, *cert_rhs, *drop_rate;
+  };
+
+  int num_groups_;
+  prometheus::Family<prometheus::Gauge>& loss_;
+  prometheus::Family<prometheus::Histogram>& rpc_;
+  std::vector<Layer> layers_;
+  prometheus::Gauge *val_loss_, *val_ppl_, *tokens_per_second_, *step_, *lr_, *grad_norm_;
+  prometheus::Histogram* step_seconds_;
+  prometheus::Counter* trained_tokens_;
+};
+
+}  // namespace himoe::trainer
+
+#endif  // HIMOE_TRAINER_TRAINER_METRICS_H_
