@@ -19,6 +19,7 @@
 #include "router_service/local_moe.h"
 #include "router_service/router_grpc_service.h"
 #include "tests/http_get.h"
+#include "tests/router_service/expert_cluster_util.h"
 #include "tests/router_service/routing_test_util.h"
 
 namespace himoe::router {
@@ -26,27 +27,15 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr int kN = 8, kM = 4, kK = 1, kLayers = 2;
-constexpr int64_t kD = 32, kDff = 64;
-constexpr uint64_t kSeed = 7;
-
-std::unique_ptr<expert::ExpertServer> StartExpert(int group,
-                                                  const std::string& address = "127.0.0.1:0") {
-  expert::ExpertServerOptions o;
-  o.address = address;
-  o.core.group_id = group;
-  o.core.num_groups = kM;
-  o.core.num_experts = kN;
-  o.core.num_layers = kLayers;
-  o.core.d_model = kD;
-  o.core.d_ff = kDff;
-  o.core.seed = kSeed;
-  auto server = expert::ExpertServer::Start(o);
-  EXPECT_TRUE(server.ok()) << server.status();
-  return server.ok() ? std::move(server).value() : nullptr;
-}
-
-std::string Loopback(int port) { return "127.0.0.1:" + std::to_string(port); }
+using testing::kD;
+using testing::kDff;
+using testing::kK;
+using testing::kLayers;
+using testing::kM;
+using testing::kN;
+using testing::kSeed;
+using testing::Loopback;
+using testing::StartExpert;
 
 class RouterServiceTest : public ::testing::Test {
  protected:

@@ -1,0 +1,40 @@
+#ifndef HIMOE_TESTS_ROUTER_SERVICE_EXPERT_CLUSTER_UTIL_H_
+#define HIMOE_TESTS_ROUTER_SERVICE_EXPERT_CLUSTER_UTIL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "expert_service/expert_grpc_service.h"
+
+namespace himoe::router::testing {
+
+// The model the router tests serve: N=8 experts in M=4 groups, k=1, 2 layers.
+inline constexpr int kN = 8, kM = 4, kK = 1, kLayers = 2;
+inline constexpr int64_t kD = 32, kDff = 64;
+inline constexpr uint64_t kSeed = 7;
+
+// An in-process himoe-expert serving group `group` of that model.
+inline std::unique_ptr<expert::ExpertServer> StartExpert(
+    int group, const std::string& address = "127.0.0.1:0") {
+  expert::ExpertServerOptions o;
+  o.address = address;
+  o.core.group_id = group;
+  o.core.num_groups = kM;
+  o.core.num_experts = kN;
+  o.core.num_layers = kLayers;
+  o.core.d_model = kD;
+  o.core.d_ff = kDff;
+  o.core.seed = kSeed;
+  auto server = expert::ExpertServer::Start(o);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? std::move(server).value() : nullptr;
+}
+
+inline std::string Loopback(int port) { return "127.0.0.1:" + std::to_string(port); }
+
+}  // namespace himoe::router::testing
+
+#endif  // HIMOE_TESTS_ROUTER_SERVICE_EXPERT_CLUSTER_UTIL_H_
