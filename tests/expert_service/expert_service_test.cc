@@ -24,6 +24,7 @@
 #include "common/tensor_codec.h"
 #include "expert_service/expert_group.h"
 #include "expert_service/expert_grpc_service.h"
+#include "tests/expert_service/expert_test_util.h"
 #include "expert_service/expert_service_core.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "proto/grpc_status.h"
@@ -35,6 +36,10 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using testing::Decode;
+using testing::Encode;
+using testing::GroupLike;
+using testing::MaxAbsDiff;
 
 constexpr int kGroup = 1;
 constexpr int kNumGroups = 4;
@@ -63,35 +68,13 @@ ExpertServiceOptions CoreOptions(uint64_t seed = kSeed,
 // The oracle: the group as router_service/local_moe.cc builds it.
 std::unique_ptr<ExpertGroup> LocalGroup(int layer, uint64_t seed = kSeed,
                                         c10::ScalarType dtype = c10::kFloat) {
-  ExpertGroupOptions g;
-  g.group_id = kGroup;
-  g.experts_per_group = kNumExperts / kNumGroups;
-  g.d_model = kD;
-  g.d_ff = kDff;
-  g.layer = layer;
-  g.seed = seed;
-  g.dtype = dtype;
-  auto group = ExpertGroup::Create(g);
-  EXPECT_TRUE(group.ok()) << group.status();
-  return std::move(group).value();
+  return GroupLike(CoreOptions(seed, dtype), layer);
 }
 
 at::Tensor LocalForward(const ExpertGroup& group, int expert, const at::Tensor& rows) {
   auto out = group.Forward(rows, at::full({rows.size(0)}, expert, at::kLong));
   EXPECT_TRUE(out.ok()) << out.status();
   return *out;
-}
-
-v1::Tensor Encode(const at::Tensor& t) {
-  v1::Tensor proto;
-  EXPECT_TRUE(EncodeTensor(t, &proto).ok());
-  return proto;
-}
-
-at::Tensor Decode(const v1::Tensor& proto) {
-  auto t = DecodeTensor(proto);
-  EXPECT_TRUE(t.ok()) << t.status();
-  return t.ok() ? *t : at::Tensor();
 }
 
 v1::ExpertForwardRequest MakeRequest(
@@ -104,10 +87,6 @@ v1::ExpertForwardRequest MakeRequest(
     *in->mutable_rows() = Encode(rows);
   }
   return request;
-}
-
-double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>();
 }
 
 std::vector<v1::StateChunk> ChunksOf(std::vector<NamedTensor> tensors, int64_t bytes) {

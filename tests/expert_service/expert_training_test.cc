@@ -28,12 +28,17 @@
 #include "expert_service/expert_optimizer.h"
 #include "expert_service/expert_service_core.h"
 #include "himoe/v1/expert.grpc.pb.h"
+#include "tests/expert_service/expert_test_util.h"
 
 namespace himoe::expert {
 namespace {
 
 using ::testing::Contains;
 using ::testing::HasSubstr;
+using testing::Decode;
+using testing::Encode;
+using testing::GroupLike;
+using testing::MaxAbsDiff;
 
 constexpr int kGroup = 1;
 constexpr int kNumGroups = 4;
@@ -65,35 +70,7 @@ std::unique_ptr<ExpertServiceCore> MakeCore(absl::Duration ttl = absl::Seconds(3
 }
 
 // The same experts as the service's layer `layer`.
-std::unique_ptr<ExpertGroup> LocalGroup(int layer) {
-  ExpertGroupOptions g;
-  g.group_id = kGroup;
-  g.experts_per_group = kNumExperts / kNumGroups;
-  g.d_model = kD;
-  g.d_ff = kDff;
-  g.layer = layer;
-  g.seed = kSeed;
-  auto group = ExpertGroup::Create(g);
-  EXPECT_TRUE(group.ok()) << group.status();
-  return std::move(group).value();
-}
-
-v1::Tensor Encode(const at::Tensor& t) {
-  v1::Tensor proto;
-  EXPECT_TRUE(EncodeTensor(t, &proto).ok());
-  return proto;
-}
-
-at::Tensor Decode(const v1::Tensor& proto) {
-  auto t = DecodeTensor(proto);
-  EXPECT_TRUE(t.ok()) << t.status();
-  return t.ok() ? *t : at::Tensor();
-}
-
-double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 && b.numel() == 0) return 0;
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
+std::unique_ptr<ExpertGroup> LocalGroup(int layer) { return GroupLike(CoreOptions(), layer); }
 
 struct Key {
   uint64_t step = 1;
