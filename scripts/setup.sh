@@ -17,6 +17,7 @@ PACKAGES=(
   libblis4-pthread libgoogle-glog-dev libgflags-dev
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy
   fortunes fortunes-min
+  prometheus gnuplot-nox python3-yaml iproute2
 )
 
 log() { echo "[setup] $*"; }
@@ -43,9 +44,16 @@ as_root() {
 }
 
 install_packages() {
+  local packages=("${PACKAGES[@]}")
+  # kubectl renders the Kubernetes manifests (kubectl kustomize). Debian's
+  # kubernetes-client ships /usr/bin/kubectl, so it would clash with a kubectl
+  # another package (e.g. google-cloud-sdk) already put there.
+  if ! command -v kubectl >/dev/null; then
+    packages+=(kubernetes-client)
+  fi
   as_root apt-get update
   as_root env DEBIAN_FRONTEND=noninteractive \
-    apt-get install -y --no-install-recommends "${PACKAGES[@]}"
+    apt-get install -y --no-install-recommends "${packages[@]}"
 }
 
 multiarch() {
