@@ -1,11 +1,19 @@
 #include "router_service/router_metrics.h"
 
+#include <iterator>
 #include <string>
 
 #include "router_service/routing_math.h"
 
 namespace himoe::router {
 namespace {
+
+// grpc::StatusCode names, indexed by code.
+constexpr const char* kGrpcCodeNames[] = {
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+    "UNAUTHENTICATED"};
 
 prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   return {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
@@ -81,10 +89,14 @@ RouterMetrics::RouterMetrics(const RouterMetricsOptions& o, prometheus::Registry
                          .Help("Requests merged into one dynamic batch")
                          .Register(r)
                          .Add({}, PowersOfTwo(256));
-  errors_ = &prometheus::BuildCounter()
-                 .Name("himoe_router_errors_total")
-                 .Help("Failed RouteForward calls by gRPC status code")
-                 .Register(r);
+  auto& errors = prometheus::BuildCounter()
+                     .Name("himoe_router_errors_total")
+                     .Help("Failed RouteForward calls by gRPC status code")
+                     .Register(r);
+  errors_.assign(std::size(kGrpcCodeNames), nullptr);
+  for (size_t code = 1; code < std::size(kGrpcCodeNames); ++code) {
+    errors_[code] = &errors.Add({{"code", kGrpcCodeNames[code]}});
+  }
 }
 
 void RouterMetrics::OnRouted(int layer, const RoutingStats& stats) {
@@ -125,13 +137,9 @@ void RouterMetrics::OnBatch(int64_t tokens, int64_t requests) {
 }
 
 void RouterMetrics::OnError(int grpc_code) {
-  static const char* const kNames[] = {
-      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-      "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-      "UNAUTHENTICATED"};
-  const char* name = grpc_code >= 0 && grpc_code <= 16 ? kNames[grpc_code] : "UNKNOWN";
-  errors_->Add({{"code", name}}).Increment();
+  constexpr int kUnknown = 2;
+  const bool known = grpc_code > 0 && grpc_code < static_cast<int>(errors_.size());
+  errors_[known ? grpc_code : kUnknown]->Increment();
 }
 
 }  // namespace himoe::router

@@ -62,7 +62,9 @@ class RouterMetrics : public ForwardObserver {
   prometheus::Histogram* request_seconds_;
   prometheus::Histogram* batch_tokens_;
   prometheus::Histogram* batch_requests_;
-  prometheus::Family<prometheus::Counter>* errors_;
+  // By gRPC status code; every code but OK is created at zero, so the series
+  // exist before the first error.
+  std::vector<prometheus::Counter*> errors_;
 };
 
 }  // namespace himoe::router

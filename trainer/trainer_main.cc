@@ -75,6 +75,9 @@ ABSL_FLAG(int, expert_threads, 1, "torch threads per spawned expert process");
 ABSL_FLAG(std::string, out_dir, "runs/latest", "metrics.jsonl and logs go here");
 ABSL_FLAG(int, metrics_port, -1, "Prometheus /metrics port; 0 picks one, -1 = off");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "interface of the metrics endpoint");
+ABSL_FLAG(int, expert_metrics_port, -1,
+          "with --experts=local: Prometheus /metrics of group g's process on 127.0.0.1:N+g "
+          "(9465 = deploy/prometheus/prometheus.yml's targets); 0 picks ports; -1 = off");
 ABSL_FLAG(int64_t, checkpoint_every, 0, "checkpoint every N steps (and at the end); 0 = off");
 ABSL_FLAG(int, keep_checkpoints, 3, "checkpoints kept (the newest)");
 ABSL_FLAG(bool, resume, false, "resume from the newest checkpoint in <out_dir>/checkpoints");
@@ -105,6 +108,13 @@ absl::StatusOr<router::RoutingConfig> RoutingFromFlags() {
 }
 
 absl::Status Run() {
+  const std::string mode = absl::GetFlag(FLAGS_experts);
+  if (absl::GetFlag(FLAGS_expert_metrics_port) < -1 ||
+      (absl::GetFlag(FLAGS_expert_metrics_port) != -1 && mode != "local")) {
+    return absl::InvalidArgumentError(
+        "--expert_metrics_port: a port >= 0, or -1, and only with --experts=local (the cluster "
+        "file gives a cluster's metrics ports)");
+  }
   RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
   TrainerOptions o;
   ModelOptions& m = o.model;
@@ -139,7 +149,6 @@ absl::Status Run() {
   std::filesystem::create_directories(out_dir, ec);
   if (ec) return absl::UnavailableError(absl::StrCat("--out_dir ", out_dir, ": ", ec.message()));
 
-  const std::string mode = absl::GetFlag(FLAGS_experts);
   std::unique_ptr<local::LocalExpertCluster> spawned;
   if (mode == "local") {
     local::ExpertProcessOptions e;
@@ -151,12 +160,17 @@ absl::Status Run() {
     e.seed = m.seed;
     e.threads = absl::GetFlag(FLAGS_expert_threads);
     e.log_dir = absl::StrCat(out_dir, "/experts");
+    e.metrics_port_base = absl::GetFlag(FLAGS_expert_metrics_port);
     ASSIGN_OR_RETURN(spawned, local::LocalExpertCluster::Start(e));
     o.remote_experts = true;
     o.expert_addresses = spawned->addresses();
     std::cerr << "experts: " << m.routing.num_groups << " himoe-expert processes on "
               << absl::StrJoin(o.expert_addresses, ", ") << " (logs in " << spawned->log_dir()
               << ")\n";
+    if (!spawned->metrics_addresses().empty()) {
+      std::cerr << "expert metrics: http://"
+                << absl::StrJoin(spawned->metrics_addresses(), "/metrics, http://") << "/metrics\n";
+    }
   } else if (mode == "cluster") {
     ASSIGN_OR_RETURN(const v1::ClusterConfig cluster,
                      LoadClusterConfig(absl::GetFlag(FLAGS_cluster)));

@@ -515,8 +515,14 @@ absl::StatusOr<std::unique_ptr<LocalExpertCluster>> LocalExpertCluster::Start(
     std::remove(port_file.c_str());  // a stale one would pass for "ready"
     ChildProcess child(absl::StrCat("expert group ", g), absl::StrCat(dir, "/expert-", g, ".log"),
                        absl::StrCat(dir, "/expert-", g, ".pid"));
-    const absl::Status s =
-        child.Spawn(ExpertCommandLine(binary, options, g, "127.0.0.1", 0, port_file));
+    std::vector<std::string> argv =
+        ExpertCommandLine(binary, options, g, "127.0.0.1", 0, port_file);
+    if (options.metrics_port_base >= 0) {
+      argv.push_back(absl::StrCat(
+          "--metrics_port=", options.metrics_port_base == 0 ? 0 : options.metrics_port_base + g));
+      argv.push_back("--metrics_address=127.0.0.1");
+    }
+    const absl::Status s = child.Spawn(argv);
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("cannot start expert group ", g, ": ", s.message()));
     }
@@ -526,7 +532,8 @@ absl::StatusOr<std::unique_ptr<LocalExpertCluster>> LocalExpertCluster::Start(
   // Ready = our own process wrote its port file, and the port answers Info as
   // group g.
   std::vector<std::shared_ptr<grpc::Channel>> channels(m);
-  std::vector<std::string> addresses(m);
+  std::vector<std::string> addresses(m), metrics_addresses;
+  if (options.metrics_port_base >= 0) metrics_addresses.resize(m);
   std::vector<ReadyTarget> targets(m);
   std::vector<ChildProcess*> watched;
   for (int g = 0; g < m; ++g) {
@@ -534,9 +541,11 @@ absl::StatusOr<std::unique_ptr<LocalExpertCluster>> LocalExpertCluster::Start(
     targets[g].child = &cluster->children_[g];
     targets[g].probe = [&, g]() -> absl::Status {
       if (channels[g] == nullptr) {
-        const std::optional<ServicePorts> ports = ReadPortFile(PortFile(dir, g));
+        const bool metrics = options.metrics_port_base >= 0;
+        const std::optional<ServicePorts> ports = ReadPortFile(PortFile(dir, g), metrics);
         if (!ports) return absl::UnavailableError("no port file yet (still starting)");
         addresses[g] = absl::StrCat("127.0.0.1:", ports->port);
+        if (metrics) metrics_addresses[g] = absl::StrCat("127.0.0.1:", ports->metrics_port);
         targets[g].address = addresses[g];
         channels[g] = ProbeChannel(addresses[g]);
       }
@@ -548,6 +557,7 @@ absl::StatusOr<std::unique_ptr<LocalExpertCluster>> LocalExpertCluster::Start(
                      options.ready_timeout, kReadyPoll, SleepPause);
   if (!ready.ok()) return ready;  // (the destructor stops the processes)
   cluster->addresses_ = std::move(addresses);
+  cluster->metrics_addresses_ = std::move(metrics_addresses);
   for (const ChildProcess& c : cluster->children_) cluster->pids_.push_back(c.pid());
   return cluster;
 }

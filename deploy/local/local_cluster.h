@@ -34,6 +34,9 @@ struct ExpertProcessOptions {
   int threads = 0;  // torch threads per process; 0 = all cores
   std::string log_dir;  // empty = a fresh directory under /tmp
   std::chrono::seconds ready_timeout{60};
+  // Prometheus /metrics of group g on 127.0.0.1:(metrics_port_base + g); 0 =
+  // a port each picks; -1 = none. Only LocalExpertCluster reads it.
+  int metrics_port_base = -1;
 };
 
 // M himoe-expert processes on 127.0.0.1 (ports picked by the services),
@@ -53,6 +56,8 @@ class LocalExpertCluster {
   ~LocalExpertCluster();  // Stop()
 
   const std::vector<std::string>& addresses() const { return addresses_; }
+  // "127.0.0.1:port" of each group's /metrics; empty without metrics_port_base.
+  const std::vector<std::string>& metrics_addresses() const { return metrics_addresses_; }
   const std::vector<int>& pids() const { return pids_; }
   const std::string& log_dir() const { return log_dir_; }
   // An error naming the group if one of the processes has exited.
@@ -63,6 +68,7 @@ class LocalExpertCluster {
   LocalExpertCluster() = default;
 
   std::vector<std::string> addresses_;
+  std::vector<std::string> metrics_addresses_;
   std::vector<int> pids_;
   std::vector<ChildProcess> children_;  // group g = children_[g]
   std::string log_dir_;

@@ -32,6 +32,7 @@
 #include "absl/strings/str_join.h"
 #include "deploy/local/local_cluster.h"
 #include "himoe/v1/expert.grpc.pb.h"
+#include "tests/http_get.h"
 
 namespace himoe::local {
 namespace {
@@ -215,6 +216,32 @@ TEST_F(LocalExpertClusterTest, StartsAnswersInfoAndStops) {
   EXPECT_EQ(cluster.pids(), pids);
   EXPECT_EQ(cluster.CheckAlive().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(NoChildLeft());
+}
+
+TEST_F(LocalExpertClusterTest, ServesEachGroupsMetricsWhenAsked) {
+  ExpertProcessOptions options = TinyOptions(dir_.path() + "/logs");
+  options.metrics_port_base = 0;  // ports they pick, read back from the port files
+  absl::StatusOr<std::unique_ptr<LocalExpertCluster>> started = LocalExpertCluster::Start(options);
+  ASSERT_TRUE(started.ok()) << started.status();
+  LocalExpertCluster& cluster = **started;
+  ASSERT_EQ(cluster.metrics_addresses().size(), 2u);
+  for (int g = 0; g < 2; ++g) {
+    SCOPED_TRACE(absl::StrCat("group ", g));
+    EXPECT_THAT(cluster.metrics_addresses()[g], StartsWith("127.0.0.1:"));
+    EXPECT_NE(cluster.metrics_addresses()[g], "127.0.0.1:0");
+    absl::StatusOr<std::string> body =
+        testutil::HttpGet(absl::StrCat("http://", cluster.metrics_addresses()[g], "/metrics"));
+    ASSERT_TRUE(body.ok()) << body.status();
+    EXPECT_THAT(*body, HasSubstr(absl::StrCat("himoe_expert_forward_requests_total{group=\"", g,
+                                              "\"} 0")));
+  }
+  cluster.Stop();
+  EXPECT_TRUE(NoChildLeft());
+
+  // Off by default.
+  started = LocalExpertCluster::Start(TinyOptions(dir_.path() + "/logs2"));
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_TRUE((*started)->metrics_addresses().empty());
 }
 
 TEST_F(LocalExpertClusterTest, FindsTheBinaryByItselfAndStopsWhenDestroyed) {

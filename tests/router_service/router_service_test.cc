@@ -341,6 +341,13 @@ TEST_F(RouterServiceTest, MetricsCountAssignmentsAndExportTheCoreCv) {
   auto requests = testutil::ScrapeValue(*body, "himoe_router_request_duration_seconds_count", "");
   ASSERT_TRUE(requests.ok());
   EXPECT_EQ(*requests, 1.0);
+  // Every error code is exported at zero before the first error.
+  for (const char* code : {"INVALID_ARGUMENT", "UNAVAILABLE", "UNAUTHENTICATED"}) {
+    auto zero = testutil::ScrapeValue(*body, "himoe_router_errors_total",
+                                      std::string("code=\"") + code + "\"");
+    ASSERT_TRUE(zero.ok()) << code << ": " << zero.status();
+    EXPECT_EQ(*zero, 0.0) << code;
+  }
   // A rejected request is counted by code.
   ASSERT_FALSE(Route(9, x).ok());
   body = testutil::HttpGet(
