@@ -1,6 +1,11 @@
 #include "router_service/router_grpc_service.h"
 
+#include <atomic>
 #include <chrono>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -45,6 +50,141 @@ absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
   }));
   if (!finite) return absl::InvalidArgumentError("hidden contains NaN or Inf");
   return x;
+}
+
+absl::StatusOr<GenerateParams> DecodeGenerateRequest(const v1::GenerateRequest& request,
+                                                     const TextGenerator& generator) {
+  if (!request.prompt().empty() && request.prompt_tokens_size() > 0) {
+    return absl::InvalidArgumentError(
+        "prompt, prompt_tokens: both are set; send the prompt as bytes or as token ids");
+  }
+  GenerateParams params;
+  if (!request.prompt().empty()) {
+    if (!generator.byte_level()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt: this model is not byte-level (vocab ", generator.vocab_size(),
+          "); send prompt_tokens"));
+    }
+    for (const char c : request.prompt()) params.prompt.push_back(static_cast<unsigned char>(c));
+  } else {
+    params.prompt.assign(request.prompt_tokens().begin(), request.prompt_tokens().end());
+  }
+  params.max_new_tokens = request.max_new_tokens();
+  params.temperature = request.temperature();
+  params.top_k = request.top_k();
+  params.seed = request.seed();
+  RETURN_IF_ERROR(ValidateGenerateParams(params, generator));
+  return params;
+}
+
+namespace {
+
+// Streams what a generation thread samples: the thread queues each token and
+// at most one write is in flight. StartWrite and Finish are called without
+// the lock held, since gRPC may run reactions inline.
+class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+ public:
+  GenerateReactor(std::shared_ptr<TextGenerator> generator, GenerateParams params)
+      : generator_(std::move(generator)), byte_level_(generator_->byte_level()) {
+    thread_ = std::thread([this, params = std::move(params)] { Run(params); });
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) cancelled_.store(true);  // the stream broke
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      writing_ = false;
+    }
+    Pump();
+  }
+  void OnCancel() override { cancelled_.store(true); }
+  void OnDone() override {
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      thread_.detach();  // Finish ran OnDone inline on the generation thread
+    } else {
+      thread_.join();
+    }
+    delete this;
+  }
+
+ private:
+  void Run(const GenerateParams& params) {
+    const absl::Status status = generator_->Generate(params, [this](int64_t token) {
+      if (cancelled_.load()) return false;
+      v1::GenerateResponse response;
+      response.set_token(token);
+      if (byte_level_) response.set_text(std::string(1, static_cast<char>(token)));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        queue_.push_back(std::move(response));
+      }
+      Pump();
+      return true;
+    });
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      status_ = status;
+      generated_ = true;
+    }
+    Pump();  // may end in Finish: `this` is not touched afterwards
+  }
+
+  // Starts the next write, or finishes once everything sampled is written
+  // (or the client has gone) and the generation has returned.
+  void Pump() {
+    enum { kNothing, kWrite, kFinish } action = kNothing;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (writing_ || finished_) return;
+      if (!queue_.empty() && !cancelled_.load()) {
+        current_ = std::move(queue_.front());
+        queue_.pop_front();
+        writing_ = true;
+        action = kWrite;
+      } else if (generated_) {
+        finished_ = true;
+        action = kFinish;
+      }
+    }
+    if (action == kWrite) StartWrite(&current_);
+    if (action == kFinish) Finish(ToGrpcStatus(status_));
+  }
+
+  const std::shared_ptr<TextGenerator> generator_;
+  const bool byte_level_;
+  std::thread thread_;
+  std::atomic<bool> cancelled_{false};
+  std::mutex mu_;
+  std::deque<v1::GenerateResponse> queue_;
+  v1::GenerateResponse current_;
+  bool writing_ = false;
+  bool generated_ = false;
+  bool finished_ = false;
+  absl::Status status_;
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* RouterGrpcService::Generate(
+    grpc::CallbackServerContext* /*context*/, const v1::GenerateRequest* request) {
+  absl::Status status;
+  if (generator_ == nullptr) {
+    status = absl::FailedPreconditionError(
+        "Generate: this router serves no language model; start himoe-router with "
+        "--checkpoint <trainer checkpoint>");
+  } else if (auto params = DecodeGenerateRequest(*request, *generator_); !params.ok()) {
+    status = params.status();
+  } else {
+    return new GenerateReactor(generator_, *std::move(params));
+  }
+  if (metrics_ != nullptr) metrics_->OnError(static_cast<int>(status.code()));
+  // A reactor that only reports the error.
+  class Rejected final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+   public:
+    explicit Rejected(const absl::Status& s) { Finish(ToGrpcStatus(s)); }
+    void OnDone() override { delete this; }
+  };
+  return new Rejected(status);
 }
 
 grpc::ServerUnaryReactor* RouterGrpcService::Info(grpc::CallbackServerContext* context,
@@ -134,7 +274,8 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(
                            out.routing.weights.detach().to(at::kFloat)};
       });
   server->service_ = std::make_unique<RouterGrpcService>(
-      moe, server->batcher_.get(), server->metrics_.get(), options.max_tokens_per_request);
+      moe, server->batcher_.get(), server->metrics_.get(), options.max_tokens_per_request,
+      options.generator);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

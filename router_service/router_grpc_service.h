@@ -3,6 +3,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 
 #include <grpcpp/server.h>
 
@@ -11,6 +12,7 @@
 #include "router_service/batcher.h"
 #include "router_service/remote_moe.h"
 #include "router_service/router_metrics.h"
+#include "router_service/text_generator.h"
 
 namespace himoe::router {
 
@@ -23,6 +25,8 @@ struct RouterServerOptions {
   // Where the router's metrics go; null = no metrics.
   prometheus::Registry* registry = nullptr;
   int metrics_window_batches = 64;
+  // Serves Generate when set; without it Generate is FAILED_PRECONDITION.
+  std::shared_ptr<TextGenerator> generator;
 };
 
 // The RouterService adapter: decode and validate, batch, route and dispatch
@@ -30,8 +34,12 @@ struct RouterServerOptions {
 class RouterGrpcService final : public v1::RouterService::CallbackService {
  public:
   RouterGrpcService(RemoteMoE* moe, Batcher* batcher, RouterMetrics* metrics,
-                    int64_t max_tokens)
-      : moe_(moe), batcher_(batcher), metrics_(metrics), max_tokens_(max_tokens) {}
+                    int64_t max_tokens, std::shared_ptr<TextGenerator> generator = nullptr)
+      : moe_(moe),
+        batcher_(batcher),
+        metrics_(metrics),
+        max_tokens_(max_tokens),
+        generator_(std::move(generator)) {}
 
   grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* context,
                                  const v1::RouterInfoRequest* request,
@@ -39,12 +47,15 @@ class RouterGrpcService final : public v1::RouterService::CallbackService {
   grpc::ServerUnaryReactor* RouteForward(grpc::CallbackServerContext* context,
                                          const v1::RouteForwardRequest* request,
                                          v1::RouteForwardResponse* response) override;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
 
  private:
   RemoteMoE* moe_;
   Batcher* batcher_;
   RouterMetrics* metrics_;  // may be null
   int64_t max_tokens_;
+  std::shared_ptr<TextGenerator> generator_;  // may be null
 };
 
 // A running router: RemoteMoE + batcher + gRPC server with health and
@@ -76,6 +87,10 @@ class RouterServer {
 // float32/bfloat16 tensor with 1 <= T <= max_tokens.
 absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
                                         int64_t d_model, int64_t max_tokens);
+
+// A Generate request as GenerateParams, validated against `generator`.
+absl::StatusOr<GenerateParams> DecodeGenerateRequest(const v1::GenerateRequest& request,
+                                                     const TextGenerator& generator);
 
 }  // namespace himoe::router
 

@@ -18,6 +18,7 @@
 #include "common/cluster_config.h"
 #include "common/torch_runtime.h"
 #include "router_service/router_grpc_service.h"
+#include "trainer/generator.h"
 
 ABSL_FLAG(std::string, cluster, "", "Cluster file (protobuf text format; see deploy/local)");
 ABSL_FLAG(std::string, address, "",
@@ -29,6 +30,12 @@ ABSL_FLAG(int, threads, 0, "Torch intra-op threads (0 = all cores)");
 ABSL_FLAG(std::string, port_file, "",
           "If set, write '<grpc port> <metrics port>' here once serving");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "Max gRPC message size, both directions");
+ABSL_FLAG(std::string, checkpoint, "",
+          "Serve Generate from this trainer checkpoint (a step_* directory, or the "
+          "checkpoints root: its newest); empty = no Generate");
+ABSL_FLAG(bool, load_expert_state, true,
+          "With --checkpoint: push the checkpoint's expert weights to the groups at start");
+ABSL_FLAG(int, max_new_tokens, 4096, "Most tokens one Generate request may ask for");
 
 namespace {
 
@@ -96,10 +103,31 @@ int main(int argc, char** argv) {
   bound_metrics_port = exposer->GetListeningPorts().front();
   o.registry = registry.get();
 
+  std::shared_ptr<trainer::Generator> generator;
+  if (const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint); !checkpoint.empty()) {
+    trainer::GeneratorOptions go;
+    go.checkpoint = checkpoint;
+    for (const auto& g : cluster->groups()) go.expert_addresses.push_back(g.address());
+    go.load_expert_state = absl::GetFlag(FLAGS_load_expert_state);
+    go.max_new_tokens_limit = absl::GetFlag(FLAGS_max_new_tokens);
+    go.deadline = std::chrono::milliseconds(cluster->router().deadline_ms());
+    auto created = trainer::Generator::Create(go);
+    if (!created.ok()) return Fail(created.status());
+    generator = std::move(created).value();
+    LOG(INFO) << "Generate: serving " << generator->checkpoint_dir() << " (step "
+              << generator->checkpoint_step() << ", vocab " << generator->vocab_size() << ")";
+    // RouteForward routes as the trained model does.
+    o.moe.routing = generator->model_options().routing;
+    o.generator = generator;
+  }
+
   auto server = router::RouterServer::Start(o);
   if (!server.ok()) return Fail(server.status());
+  if (generator != nullptr) {
+    if (auto s = generator->CopyRoutersTo((*server)->moe()); !s.ok()) return Fail(s);
+  }
   LOG(INFO) << "himoe-router serving on port " << (*server)->port() << " (metrics on "
-            << bound_metrics_port << "), " << router::RoutingConfigDebugString(*routing);
+            << bound_metrics_port << "), " << router::RoutingConfigDebugString(o.moe.routing);
   if (const std::string f = absl::GetFlag(FLAGS_port_file); !f.empty()) {
     std::ofstream(f + ".tmp") << (*server)->port() << " " << bound_metrics_port << "\n";
     std::rename((f + ".tmp").c_str(), f.c_str());

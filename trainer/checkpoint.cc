@@ -11,6 +11,7 @@
 #include <map>
 #include <sstream>
 #include <system_error>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -226,6 +227,43 @@ NamedTensors DenseState(TransformerLM& model) {
   return out;
 }
 
+// Pairs each live dense tensor of `model` with its saved value, checking that
+// the names, shapes and dtypes match one to one.
+absl::StatusOr<std::vector<std::pair<at::Tensor, at::Tensor>>> MatchDenseState(
+    TransformerLM& model, const NamedTensors& saved_dense, const std::string& where) {
+  const NamedTensors live_dense = DenseState(model);
+  std::map<std::string, at::Tensor> saved_by_name(saved_dense.begin(), saved_dense.end());
+  if (saved_by_name.size() != saved_dense.size()) {
+    return absl::DataLossError(absl::StrCat(where, ": dense.pt repeats a name"));
+  }
+  std::vector<std::pair<at::Tensor, at::Tensor>> pairs;
+  for (const auto& [name, live] : live_dense) {
+    auto it = saved_by_name.find(name);
+    if (it == saved_by_name.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, ": dense.pt has no tensor ", name));
+    }
+    if (!it->second.sizes().equals(live.sizes()) ||
+        it->second.scalar_type() != live.scalar_type()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, ": dense.pt's ", name, " is ", c10::toString(it->second.scalar_type()),
+          c10::str(it->second.sizes()), ", the model's is ", c10::toString(live.scalar_type()),
+          c10::str(live.sizes())));
+    }
+    pairs.emplace_back(live, it->second);
+  }
+  if (saved_by_name.size() != live_dense.size()) {
+    for (const auto& [name, t] : saved_by_name) {
+      if (std::none_of(live_dense.begin(), live_dense.end(),
+                       [&](const NamedTensor& l) { return l.first == name; })) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(where, ": dense.pt has ", name, ", which the model does not"));
+      }
+    }
+  }
+  return pairs;
+}
+
 // ---- meta.txt.
 
 std::map<std::string, std::string> MetaFields(const Trainer& trainer) {
@@ -260,6 +298,11 @@ std::string MetaText(const Trainer& trainer) {
   for (const char* key : kMatchedMetaKeys) absl::StrAppend(&text, key, " ", f.at(key), "\n");
   absl::StrAppend(&text, "batch_size ", o.batch_size, "\n", "grad_accum ", o.grad_accum, "\n",
                   "remote_experts ", o.remote_experts ? 1 : 0, "\n");
+  const router::RoutingConfig& r = m.routing;
+  absl::StrAppend(&text, "seed ", m.seed, "\n", "routing_temperature ", r.temperature, "\n",
+                  "routing_tau ", r.tau, "\n", "routing_ema_beta ", r.ema_beta, "\n",
+                  "routing_capacity_factor ", r.capacity_factor, "\n",
+                  "routing_renormalize ", r.renormalize ? 1 : 0, "\n");
   absl::StrAppend(&text, "description ", f.at("method"), " MoE LM at step ", trainer.step(),
                   ": ", m.n_layer, " layers, d_model ", m.d_model, ", ", m.n_head, " heads, N=",
                   m.routing.num_experts, " experts in M=", m.routing.num_groups,
@@ -544,34 +587,8 @@ absl::Status LoadCheckpoint(Trainer& trainer, const std::string& dir) {
 
   ASSIGN_OR_RETURN(const NamedTensors saved_dense,
                    Unpickle(files[kDenseFile], absl::StrCat(where, ": dense.pt")));
-  NamedTensors live_dense = DenseState(trainer.model());
-  std::map<std::string, at::Tensor> saved_by_name(saved_dense.begin(), saved_dense.end());
-  if (saved_by_name.size() != saved_dense.size()) {
-    return absl::DataLossError(absl::StrCat(where, ": dense.pt repeats a name"));
-  }
-  for (const auto& [name, live] : live_dense) {
-    auto it = saved_by_name.find(name);
-    if (it == saved_by_name.end()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(where, ": dense.pt has no tensor ", name));
-    }
-    if (!it->second.sizes().equals(live.sizes()) ||
-        it->second.scalar_type() != live.scalar_type()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          where, ": dense.pt's ", name, " is ", c10::toString(it->second.scalar_type()),
-          c10::str(it->second.sizes()), ", the model's is ", c10::toString(live.scalar_type()),
-          c10::str(live.sizes())));
-    }
-  }
-  if (saved_by_name.size() != live_dense.size()) {
-    for (const auto& [name, t] : saved_by_name) {
-      if (std::none_of(live_dense.begin(), live_dense.end(),
-                       [&](const NamedTensor& l) { return l.first == name; })) {
-        return absl::FailedPreconditionError(
-            absl::StrCat(where, ": dense.pt has ", name, ", which the model does not"));
-      }
-    }
-  }
+  ASSIGN_OR_RETURN(const auto dense_pairs,
+                   MatchDenseState(trainer.model(), saved_dense, where));
 
   RETURN_IF_ERROR(ValidateOptimizerState(trainer.optimizer(), files[kOptimizerFile], where));
 
@@ -600,13 +617,96 @@ absl::Status LoadCheckpoint(Trainer& trainer, const std::string& dir) {
   }
   RETURN_IF_ERROR(CatchTorchErrors([&] {
     torch::NoGradGuard no_grad;
-    for (auto& [name, live] : live_dense) live.copy_(saved_by_name.at(name));
+    for (const auto& [live, saved] : dense_pairs) live.copy_(saved);
     std::istringstream in(files[kOptimizerFile]);
     torch::load(trainer.optimizer(), in);
     return absl::OkStatus();
   }));
   trainer.set_step(step);
   return absl::OkStatus();
+}
+
+absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) {
+    return absl::NotFoundError(absl::StrCat("checkpoint ", path, ": not a directory"));
+  }
+  CheckpointContents out;
+  out.dir = path;
+  if (!fs::exists(fs::path(path) / kCheckpointManifest, ec)) {
+    ASSIGN_OR_RETURN(out.dir, LatestCheckpoint(path));
+  }
+  const std::string where = absl::StrCat("checkpoint ", out.dir);
+  ASSIGN_OR_RETURN(auto files, ReadVerified(out.dir, {kDenseFile, kMetaFile}));
+  ASSIGN_OR_RETURN(auto meta, ParseMeta(files[kMetaFile], absl::StrCat(where, ": meta.txt")));
+  const auto field = [&](const char* key, auto* value) -> absl::Status {
+    bool ok = false;
+    if constexpr (std::is_same_v<std::remove_pointer_t<decltype(value)>, double>) {
+      ok = absl::SimpleAtod(meta[key], value);
+    } else {
+      ok = absl::SimpleAtoi(meta[key], value);
+    }
+    if (!ok) {
+      return absl::DataLossError(
+          absl::StrCat(where, ": meta.txt: ", key, " is \"", meta[key], "\", not a number"));
+    }
+    return absl::OkStatus();
+  };
+  ModelOptions& m = out.model;
+  router::RoutingConfig& r = m.routing;
+  RETURN_IF_ERROR(field("step", &out.step));
+  RETURN_IF_ERROR(field("vocab_size", &m.vocab_size));
+  RETURN_IF_ERROR(field("block_size", &m.block_size));
+  RETURN_IF_ERROR(field("n_layer", &m.n_layer));
+  RETURN_IF_ERROR(field("n_head", &m.n_head));
+  RETURN_IF_ERROR(field("d_model", &m.d_model));
+  RETURN_IF_ERROR(field("d_ff", &m.d_ff));
+  RETURN_IF_ERROR(field("dense_ff", &m.dense_ff));
+  RETURN_IF_ERROR(field("moe_every", &m.moe_every));
+  RETURN_IF_ERROR(field("num_experts", &r.num_experts));
+  RETURN_IF_ERROR(field("num_groups", &r.num_groups));
+  RETURN_IF_ERROR(field("top_k", &r.top_k));
+  RETURN_IF_ERROR(field("seed", &m.seed));
+  RETURN_IF_ERROR(field("routing_temperature", &r.temperature));
+  RETURN_IF_ERROR(field("routing_tau", &r.tau));
+  RETURN_IF_ERROR(field("routing_ema_beta", &r.ema_beta));
+  RETURN_IF_ERROR(field("routing_capacity_factor", &r.capacity_factor));
+  int renormalize = 0;
+  RETURN_IF_ERROR(field("routing_renormalize", &renormalize));
+  r.renormalize = renormalize != 0;
+  {
+    auto method = router::ParseRoutingMethod(meta["method"]);
+    if (!method.ok()) {
+      return absl::DataLossError(absl::StrCat(where, ": meta.txt: ", method.status().message()));
+    }
+    r.method = *method;
+  }
+  if (auto s = router::ValidateRoutingConfig(r); !s.ok()) {
+    return absl::DataLossError(absl::StrCat(where, ": meta.txt: ", s.message()));
+  }
+  ASSIGN_OR_RETURN(out.dense, Unpickle(files[kDenseFile], absl::StrCat(where, ": dense.pt")));
+  // ReadVerified read and checked every file the MANIFEST lists.
+  for (int g = 0; g < r.num_groups; ++g) {
+    auto it = files.find(ExpertsFile(g));
+    if (it == files.end()) {
+      return absl::DataLossError(
+          absl::StrCat(where, ": the MANIFEST does not list ", ExpertsFile(g)));
+    }
+    ASSIGN_OR_RETURN(auto state, Unpickle(it->second, absl::StrCat(where, ": ", ExpertsFile(g))));
+    out.experts.push_back(std::move(state));
+  }
+  return out;
+}
+
+absl::Status RestoreDenseState(const CheckpointContents& contents, TransformerLM& model) {
+  ASSIGN_OR_RETURN(const auto pairs,
+                   MatchDenseState(model, contents.dense,
+                                   absl::StrCat("checkpoint ", contents.dir)));
+  return CatchTorchErrors([&] {
+    torch::NoGradGuard no_grad;
+    for (const auto& [live, saved] : pairs) live.copy_(saved);
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace himoe::trainer

@@ -22,9 +22,12 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "trainer/expert_backend.h"
+#include "trainer/model.h"
 #include "trainer/trainer.h"
 
 namespace himoe::trainer {
@@ -54,6 +57,24 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
 // the state pushed back) and the step. An error while applying (e.g. a
 // service refusing the state) can leave the trainer partly restored.
 absl::Status LoadCheckpoint(Trainer& trainer, const std::string& dir);
+
+// A checkpoint as serving needs it: the LM's options as trained (sizes,
+// method, the routing hyper-parameters that act at inference, seed), its
+// dense state and each group's expert state. Every file is verified against
+// the MANIFEST first. `path` is a checkpoint directory, or a root whose newest
+// complete checkpoint is taken.
+struct CheckpointContents {
+  std::string dir;
+  int64_t step = 0;
+  ModelOptions model;
+  std::vector<NamedTensor> dense;
+  std::vector<std::vector<NamedTensor>> experts;  // per group
+};
+absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& path);
+
+// Copies `contents.dense` into `model`, built with `contents.model`
+// (the names, shapes and dtypes must match).
+absl::Status RestoreDenseState(const CheckpointContents& contents, TransformerLM& model);
 
 }  // namespace himoe::trainer
 

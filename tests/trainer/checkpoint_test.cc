@@ -23,7 +23,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "expert_service/expert_grpc_service.h"
+#include "tests/trainer/trainer_test_util.h"
 #include "trainer/trainer.h"
 
 namespace himoe::trainer {
@@ -31,60 +31,11 @@ namespace {
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
+using testing::CorpusText;
+using testing::ExpertCluster;
+using TempDir = testing::TempDir;
 
 constexpr double kTol = 1e-6;
-
-// A fresh directory, removed on destruction.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("himoe_checkpoint_test_" + std::to_string(::getpid()) + "_" +
-             std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  std::string str() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
-
-// ~20 KB of varied English-like text, deterministic.
-std::string CorpusText() {
-  static const char* const kWords[] = {
-      "the",     "expert",   "router",  "group",   "token",   "gradient", "layer",
-      "quiet",   "river",    "mountain", "signal", "balance", "mixture",  "sparse",
-      "dense",   "attention", "model",  "learns",  "slowly",  "quickly",  "under",
-      "over",    "bright",   "window",  "carries", "every",   "small",    "large",
-      "garden",  "number",   "seven",   "forty",   "question", "answer",  "moves",
-      "through", "between",  "before",  "after",   "while"};
-  std::mt19937 rng(12345);
-  std::uniform_int_distribution<int> word(0, sizeof(kWords) / sizeof(kWords[0]) - 1);
-  std::uniform_int_distribution<int> len(4, 14);
-  std::string text;
-  int line = 0;
-  while (text.size() < 20000) {
-    const int n = len(rng);
-    std::string sentence;
-    for (int i = 0; i < n; ++i) {
-      std::string w = kWords[word(rng)];
-      if (i == 0) w[0] = static_cast<char>(w[0] - 'a' + 'A');
-      sentence += (i ? " " : "") + w;
-    }
-    sentence += (line % 3 == 0) ? "." : (line % 3 == 1 ? "?" : "!");
-    if (line % 5 == 0) sentence += " (" + std::to_string(line * 37 % 1000) + ")";
-    text += sentence + "\n";
-    ++line;
-  }
-  return text;
-}
 
 fs::path CorpusDir() {
   return fs::temp_directory_path() /
@@ -355,38 +306,6 @@ TEST(CheckpointTest, DirectoryLayoutAndManifest) {
 
 // Experts on expert-group services: the state is streamed out with GetState
 // and pushed into brand-new services with SetState.
-class ExpertCluster {
- public:
-  explicit ExpertCluster(const TrainerOptions& o) {
-    const int groups = o.model.routing.num_groups;
-    for (int g = 0; g < groups; ++g) {
-      expert::ExpertServerOptions s;
-      s.address = "127.0.0.1:0";
-      s.core.group_id = g;
-      s.core.num_groups = groups;
-      s.core.num_experts = o.model.routing.num_experts;
-      s.core.num_layers = NumMoeLayers(o.model);
-      s.core.d_model = o.model.d_model;
-      s.core.d_ff = o.model.d_ff;
-      s.core.seed = o.model.seed;
-      auto server = expert::ExpertServer::Start(s);
-      EXPECT_TRUE(server.ok()) << server.status();
-      if (!server.ok()) continue;
-      addresses_.push_back("127.0.0.1:" + std::to_string((*server)->port()));
-      servers_.push_back(std::move(server).value());
-    }
-  }
-  TrainerOptions Remote(TrainerOptions o) const {
-    o.remote_experts = true;
-    o.expert_addresses = addresses_;
-    return o;
-  }
-
- private:
-  std::vector<std::unique_ptr<expert::ExpertServer>> servers_;
-  std::vector<std::string> addresses_;
-};
-
 TEST(CheckpointTest, RemoteExpertsResumeIntoFreshServices) {
   const TrainerOptions local = SmallOptions(router::RoutingMethod::kHiMoe);
   TempDir root;

@@ -12,7 +12,7 @@
 
 #include <gtest/gtest.h>
 
-#include "expert_service/expert_grpc_service.h"
+#include "tests/trainer/trainer_test_util.h"
 
 namespace himoe::trainer {
 namespace {
@@ -56,31 +56,7 @@ TrainerOptions SmallOptions(router::RoutingMethod method) {
   return o;
 }
 
-class ExpertCluster {
- public:
-  explicit ExpertCluster(const TrainerOptions& o) {
-    for (int g = 0; g < kGroups; ++g) {
-      expert::ExpertServerOptions s;
-      s.address = "127.0.0.1:0";
-      s.core.group_id = g;
-      s.core.num_groups = kGroups;
-      s.core.num_experts = o.model.routing.num_experts;
-      s.core.num_layers = NumMoeLayers(o.model);
-      s.core.d_model = o.model.d_model;
-      s.core.d_ff = o.model.d_ff;
-      s.core.seed = o.model.seed;
-      auto server = expert::ExpertServer::Start(s);
-      EXPECT_TRUE(server.ok()) << server.status();
-      addresses_.push_back("127.0.0.1:" + std::to_string((*server)->port()));
-      servers_.push_back(std::move(server).value());
-    }
-  }
-  const std::vector<std::string>& addresses() const { return addresses_; }
-
- private:
-  std::vector<std::unique_ptr<expert::ExpertServer>> servers_;
-  std::vector<std::string> addresses_;
-};
+using testing::ExpertCluster;
 
 std::map<std::string, at::Tensor> AllParameters(Trainer& t) {
   std::map<std::string, at::Tensor> out;

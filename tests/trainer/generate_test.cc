@@ -1,0 +1,412 @@
+// Generate: a trained checkpoint served through 4 expert-group services (and
+// over the router's gRPC stream) samples exactly what the in-process
+// reference samples; sampling is deterministic per seed; greedy decoding is
+// the argmax of the model's next-token logits.
+#include "trainer/generator.h"
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <gtest/gtest.h>
+
+#include "himoe/v1/router.grpc.pb.h"
+#include "common/tensor_codec.h"
+#include "router_service/router_grpc_service.h"
+#include "tests/trainer/trainer_test_util.h"
+#include "trainer/checkpoint.h"
+#include "trainer/trainer.h"
+
+namespace himoe::trainer {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::ExpertCluster;
+using TempDir = testing::TempDir;
+
+constexpr int kTrainSteps = 60;
+
+TrainerOptions TinyOptions(const std::string& corpus) {
+  TrainerOptions o;
+  o.model.n_layer = 2;
+  o.model.n_head = 2;
+  o.model.d_model = 48;
+  o.model.d_ff = 64;
+  o.model.dense_ff = 96;
+  o.model.block_size = 32;
+  o.model.routing.method = router::RoutingMethod::kHiMoe;
+  o.model.routing.num_experts = 8;
+  o.model.routing.num_groups = 4;
+  o.model.routing.top_k = 1;
+  o.model.routing.tau = 0.1;
+  o.model.seed = 3;
+  o.data.paths = {corpus};
+  o.steps = kTrainSteps;
+  o.batch_size = 8;
+  o.lr = 1e-2;
+  o.warmup_steps = 5;
+  o.eval_windows = 4;
+  o.seed = 11;
+  return o;
+}
+
+// One model, checkpointed untrained (step 0) and after kTrainSteps steps;
+// built once for every test (training is the slow part).
+struct Checkpoints {
+  TempDir dir{"himoe_generate_test"};
+  TrainerOptions options;
+  std::string untrained, trained;  // checkpoint roots
+};
+
+const Checkpoints& Trained() {
+  // Destroyed at exit, which removes the directory.
+  static const std::unique_ptr<Checkpoints> c = [] {
+    auto c = std::make_unique<Checkpoints>();
+    c->options = TinyOptions(testing::WriteCorpus(c->dir));
+    c->untrained = (c->dir.path() / "untrained").string();
+    c->trained = (c->dir.path() / "trained").string();
+    auto trainer = Trainer::Create(c->options);
+    EXPECT_TRUE(trainer.ok()) << trainer.status();
+    if (!trainer.ok()) return c;
+    EXPECT_TRUE(SaveCheckpoint(**trainer, c->untrained, 1).ok());
+    for (int i = 0; i < kTrainSteps; ++i) {
+      auto r = (*trainer)->Step();
+      EXPECT_TRUE(r.ok()) << r.status();
+      if (!r.ok()) return c;
+    }
+    EXPECT_TRUE(SaveCheckpoint(**trainer, c->trained, 1).ok());
+    return c;
+  }();
+  return *c;
+}
+
+std::unique_ptr<Generator> MakeGenerator(const std::string& checkpoint,
+                                         const std::vector<std::string>& addresses = {},
+                                         bool load_expert_state = true) {
+  GeneratorOptions o;
+  o.checkpoint = checkpoint;
+  o.expert_addresses = addresses;
+  o.load_expert_state = load_expert_state;
+  o.max_new_tokens_limit = 512;
+  auto g = Generator::Create(o);
+  EXPECT_TRUE(g.ok()) << g.status();
+  return g.ok() ? std::move(g).value() : nullptr;
+}
+
+std::vector<int64_t> Bytes(const std::string& s) {
+  std::vector<int64_t> out;
+  for (const char c : s) out.push_back(static_cast<unsigned char>(c));
+  return out;
+}
+
+router::GenerateParams Params(const std::string& prompt, int n, double temperature, int top_k,
+                              uint64_t seed) {
+  router::GenerateParams p;
+  p.prompt = Bytes(prompt);
+  p.max_new_tokens = n;
+  p.temperature = temperature;
+  p.top_k = top_k;
+  p.seed = seed;
+  return p;
+}
+
+std::vector<int64_t> Sample(Generator& g, const router::GenerateParams& p) {
+  std::vector<int64_t> tokens;
+  const absl::Status s = g.Generate(p, [&](int64_t t) {
+    tokens.push_back(t);
+    return true;
+  });
+  EXPECT_TRUE(s.ok()) << s;
+  return tokens;
+}
+
+double PrintableShare(const std::vector<int64_t>& tokens) {
+  const auto n = std::count_if(tokens.begin(), tokens.end(), [](int64_t t) {
+    return (t >= 32 && t < 127) || t == '\n';
+  });
+  return tokens.empty() ? 0 : static_cast<double>(n) / tokens.size();
+}
+
+TEST(GenerateTest, CheckpointCarriesTheModelAsTrained) {
+  const Checkpoints& c = Trained();
+  auto contents = ReadCheckpoint(c.trained);  // the root: its newest checkpoint
+  ASSERT_TRUE(contents.ok()) << contents.status();
+  EXPECT_EQ(contents->step, kTrainSteps);
+  EXPECT_EQ(contents->model.d_model, 48);
+  EXPECT_EQ(contents->model.block_size, 32);
+  EXPECT_EQ(contents->model.routing.method, router::RoutingMethod::kHiMoe);
+  EXPECT_DOUBLE_EQ(contents->model.routing.tau, 0.1);
+  EXPECT_EQ(contents->model.seed, 3u);
+  EXPECT_EQ(contents->experts.size(), 4u);
+}
+
+TEST(GenerateTest, ThroughTheClusterEqualsInProcess) {
+  const Checkpoints& c = Trained();
+  ExpertCluster cluster(c.options);
+  auto remote = MakeGenerator(c.trained, cluster.addresses());
+  auto reference = MakeGenerator(c.trained);
+  ASSERT_NE(remote, nullptr);
+  ASSERT_NE(reference, nullptr);
+
+  auto a = remote->NextTokenLogits(Bytes("The expert "));
+  auto b = reference->NextTokenLogits(Bytes("The expert "));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_LE((*a - *b).abs().max().item<double>(), 1e-4);
+
+  const auto p = Params("The expert ", 64, 0.8, 20, 7);
+  EXPECT_EQ(Sample(*remote, p), Sample(*reference, p));
+}
+
+TEST(GenerateTest, ExpertWeightsArePushedToTheGroups) {
+  const Checkpoints& c = Trained();
+  ExpertCluster cluster(c.options);  // fresh services: the seed's initial experts
+  auto stale = MakeGenerator(c.trained, cluster.addresses(), /*load_expert_state=*/false);
+  ASSERT_NE(stale, nullptr);
+  auto stale_logits = stale->NextTokenLogits(Bytes("The expert "));
+  auto loaded = MakeGenerator(c.trained, cluster.addresses());
+  auto reference = MakeGenerator(c.trained);
+  ASSERT_NE(loaded, nullptr);
+  ASSERT_NE(reference, nullptr);
+  auto loaded_logits = loaded->NextTokenLogits(Bytes("The expert "));
+  auto reference_logits = reference->NextTokenLogits(Bytes("The expert "));
+  ASSERT_TRUE(stale_logits.ok() && loaded_logits.ok() && reference_logits.ok());
+  // The trained experts matter, and they reach the services only with SetState.
+  EXPECT_GT((*stale_logits - *reference_logits).abs().max().item<double>(), 1e-3);
+  EXPECT_LE((*loaded_logits - *reference_logits).abs().max().item<double>(), 1e-4);
+}
+
+TEST(GenerateTest, FixedSeedIsDeterministic) {
+  auto g = MakeGenerator(Trained().trained);
+  ASSERT_NE(g, nullptr);
+  const auto first = Sample(*g, Params("Every ", 64, 1.0, 0, 42));
+  EXPECT_EQ(first.size(), 64u);
+  EXPECT_EQ(Sample(*g, Params("Every ", 64, 1.0, 0, 42)), first);
+  EXPECT_NE(Sample(*g, Params("Every ", 64, 1.0, 0, 43)), first);
+}
+
+// Greedy: each token is the argmax of the logits of its own prefix, cropped
+// to the last block_size (32) tokens; top-1 sampling is greedy too.
+TEST(GenerateTest, GreedyIsTheArgmaxOfEachPrefix) {
+  auto g = MakeGenerator(Trained().trained);
+  ASSERT_NE(g, nullptr);
+  const std::string prompt = "The router ";
+  const auto greedy = Sample(*g, Params(prompt, 40, 0.0, 0, 1));  // 11 + 40 > 32: cropped
+  ASSERT_EQ(greedy.size(), 40u);
+  std::vector<int64_t> context = Bytes(prompt);
+  for (size_t i = 0; i < greedy.size(); ++i) {
+    const std::vector<int64_t> window(context.end() - std::min<size_t>(context.size(), 32),
+                                      context.end());
+    auto logits = g->NextTokenLogits(window);
+    ASSERT_TRUE(logits.ok());
+    EXPECT_EQ(logits->argmax().item<int64_t>(), greedy[i]) << "token " << i;
+    context.push_back(greedy[i]);
+  }
+  EXPECT_EQ(Sample(*g, Params(prompt, 40, 1.0, 1, 99)), greedy);
+}
+
+TEST(GenerateTest, TrainedModelWritesText) {
+  const Checkpoints& c = Trained();
+  auto trained = MakeGenerator(c.trained);
+  auto untrained = MakeGenerator(c.untrained);
+  ASSERT_NE(trained, nullptr);
+  ASSERT_NE(untrained, nullptr);
+  const auto p = Params("The ", 256, 1.0, 0, 5);
+  const double trained_share = PrintableShare(Sample(*trained, p));
+  const double untrained_share = PrintableShare(Sample(*untrained, p));
+  // The corpus is printable ASCII and newlines; an untrained byte model draws
+  // nearly uniformly over 256 bytes (96/256 = 0.375 printable).
+  EXPECT_GT(trained_share, 0.95);
+  EXPECT_LT(untrained_share, 0.7);
+}
+
+// --- Over gRPC: RouterServer streaming Generate.
+
+class RouterGenerateTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const Checkpoints& c = Trained();
+    cluster_ = std::make_unique<ExpertCluster>(c.options);
+    reference_ = MakeGenerator(c.trained);
+    ASSERT_NE(reference_, nullptr);
+    generator_ = MakeGenerator(c.trained, cluster_->addresses());
+    ASSERT_NE(generator_, nullptr);
+    router::RouterServerOptions o;
+    o.moe.routing = c.options.model.routing;
+    o.moe.d_model = c.options.model.d_model;
+    o.moe.num_layers = NumMoeLayers(c.options.model);
+    o.moe.seed = c.options.model.seed;
+    for (int g = 0; g < 4; ++g) {
+      router::GroupClientOptions go;
+      go.group_id = g;
+      go.addresses = {cluster_->addresses()[g]};
+      o.moe.groups.push_back(go);
+    }
+    o.generator = generator_;
+    auto server = router::RouterServer::Start(o);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(server).value();
+    o.generator = nullptr;
+    auto plain = router::RouterServer::Start(o);
+    ASSERT_TRUE(plain.ok()) << plain.status();
+    plain_ = std::move(plain).value();
+  }
+
+  static std::unique_ptr<v1::RouterService::Stub> Stub(int port) {
+    return v1::RouterService::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  }
+
+  // Reads the whole stream: the tokens, the concatenated text, the status.
+  static grpc::Status Call(v1::RouterService::Stub& stub, const v1::GenerateRequest& request,
+                           std::vector<int64_t>* tokens, std::string* text) {
+    grpc::ClientContext context;
+    auto reader = stub.Generate(&context, request);
+    v1::GenerateResponse response;
+    while (reader->Read(&response)) {
+      tokens->push_back(response.token());
+      *text += response.text();
+    }
+    return reader->Finish();
+  }
+
+  static v1::GenerateRequest Request(const std::string& prompt, int n, float temperature,
+                                     int top_k, uint64_t seed) {
+    v1::GenerateRequest r;
+    r.set_prompt(prompt);
+    r.set_max_new_tokens(n);
+    r.set_temperature(temperature);
+    r.set_top_k(top_k);
+    r.set_seed(seed);
+    return r;
+  }
+
+  std::unique_ptr<ExpertCluster> cluster_;
+  std::shared_ptr<Generator> generator_;
+  std::unique_ptr<Generator> reference_;
+  std::unique_ptr<router::RouterServer> server_, plain_;
+};
+
+TEST_F(RouterGenerateTest, StreamsTheReferenceSample) {
+  auto stub = Stub(server_->port());
+  std::vector<int64_t> tokens;
+  std::string text;
+  const grpc::Status s = Call(*stub, Request("The garden ", 48, 0.7f, 30, 2024), &tokens, &text);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  // float on the wire: the reference uses the same rounded temperature.
+  EXPECT_EQ(tokens, Sample(*reference_, Params("The garden ", 48, 0.7f, 30, 2024)));
+  ASSERT_EQ(text.size(), tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    EXPECT_EQ(static_cast<unsigned char>(text[i]), tokens[i]);
+  }
+  // Token ids work as a prompt too, and give the same sample.
+  v1::GenerateRequest by_ids = Request("", 48, 0.7f, 30, 2024);
+  for (const int64_t t : Bytes("The garden ")) by_ids.add_prompt_tokens(t);
+  std::vector<int64_t> again;
+  std::string again_text;
+  ASSERT_TRUE(Call(*stub, by_ids, &again, &again_text).ok());
+  EXPECT_EQ(again, tokens);
+}
+
+// himoe-router --checkpoint also routes RouteForward with the trained routers.
+TEST_F(RouterGenerateTest, RouteForwardUsesTheTrainedRouters) {
+  auto stub = Stub(server_->port());
+  const at::Tensor x = at::randn({32, 48}, at::TensorOptions().dtype(at::kFloat));
+  const auto route = [&](int layer) {
+    v1::RouteForwardRequest request;
+    request.set_layer(layer);
+    request.set_return_routing(true);
+    EXPECT_TRUE(EncodeTensor(x, request.mutable_hidden()).ok());
+    v1::RouteForwardResponse response;
+    grpc::ClientContext context;
+    const grpc::Status s = stub->RouteForward(&context, request, &response);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    auto ids = DecodeTensor(response.expert_ids(), "expert_ids");
+    EXPECT_TRUE(ids.ok());
+    return ids.ok() ? *ids : at::Tensor();
+  };
+  std::vector<at::Tensor> want;
+  for (int layer = 0; layer < 2; ++layer) {
+    auto routed = reference_->router(layer).Route(x, /*training=*/false);
+    ASSERT_TRUE(routed.ok());
+    want.push_back(routed->expert_ids);
+    EXPECT_FALSE(at::equal(route(layer), want[layer])) << "seeded gates, layer " << layer;
+  }
+  ASSERT_TRUE(generator_->CopyRoutersTo(server_->moe()).ok());
+  for (int layer = 0; layer < 2; ++layer) {
+    EXPECT_TRUE(at::equal(route(layer), want[layer])) << "trained gates, layer " << layer;
+  }
+}
+
+TEST_F(RouterGenerateTest, BadRequestsNameTheFieldAndServingContinues) {
+  auto stub = Stub(server_->port());
+  struct Case {
+    v1::GenerateRequest request;
+    std::string field;
+  };
+  std::vector<Case> cases = {
+      {Request("The ", 8, -1.0f, 0, 1), "temperature"},
+      {Request("The ", 8, 1.0f, 257, 1), "top_k"},
+      {Request("The ", 8, 1.0f, -2, 1), "top_k"},
+      {Request("The ", 0, 1.0f, 0, 1), "max_new_tokens"},
+      {Request("The ", 513, 1.0f, 0, 1), "max_new_tokens"},
+      {Request("", 8, 1.0f, 0, 1), "prompt"},
+  };
+  Case both{Request("The ", 8, 1.0f, 0, 1), "prompt_tokens"};
+  both.request.add_prompt_tokens(65);
+  cases.push_back(both);
+  Case out_of_vocab{Request("", 8, 1.0f, 0, 1), "prompt_tokens[1]"};
+  out_of_vocab.request.add_prompt_tokens(65);
+  out_of_vocab.request.add_prompt_tokens(256);
+  cases.push_back(out_of_vocab);
+  for (const Case& c : cases) {
+    std::vector<int64_t> tokens;
+    std::string text;
+    const grpc::Status s = Call(*stub, c.request, &tokens, &text);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.field;
+    EXPECT_THAT(s.error_message(), HasSubstr(c.field));
+    EXPECT_TRUE(tokens.empty());
+  }
+  std::vector<int64_t> tokens;
+  std::string text;
+  EXPECT_TRUE(Call(*stub, Request("The ", 8, 1.0f, 0, 1), &tokens, &text).ok());
+  EXPECT_EQ(tokens.size(), 8u);
+}
+
+TEST_F(RouterGenerateTest, WithoutACheckpointGenerateIsFailedPrecondition) {
+  auto stub = Stub(plain_->port());
+  std::vector<int64_t> tokens;
+  std::string text;
+  const grpc::Status s = Call(*stub, Request("The ", 8, 1.0f, 0, 1), &tokens, &text);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("--checkpoint"));
+}
+
+TEST_F(RouterGenerateTest, ClientCancellationStopsTheStream) {
+  auto stub = Stub(server_->port());
+  {
+    grpc::ClientContext context;
+    auto reader = stub->Generate(&context, Request("The ", 512, 1.0f, 0, 3));
+    v1::GenerateResponse response;
+    int read = 0;
+    while (read < 3 && reader->Read(&response)) ++read;
+    EXPECT_EQ(read, 3);
+    context.TryCancel();
+    while (reader->Read(&response)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  // The generator is free again: the next request is served in full.
+  std::vector<int64_t> tokens;
+  std::string text;
+  EXPECT_TRUE(Call(*stub, Request("The ", 16, 1.0f, 0, 3), &tokens, &text).ok());
+  EXPECT_EQ(tokens.size(), 16u);
+}
+
+}  // namespace
+}  // namespace himoe::trainer

@@ -1,0 +1,122 @@
+// Shared set-up of the trainer tests: temp directories, a deterministic
+// English-like corpus, and expert-group services on 127.0.0.1.
+#ifndef HIMOE_TESTS_TRAINER_TRAINER_TEST_UTIL_H_
+#define HIMOE_TESTS_TRAINER_TRAINER_TEST_UTIL_H_
+
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "expert_service/expert_grpc_service.h"
+#include "trainer/trainer.h"
+
+namespace himoe::trainer::testing {
+
+// A fresh directory named after `prefix`, removed on destruction.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix = "himoe_trainer_test") {
+    static std::atomic<int> counter{0};
+    path_ = std::filesystem::temp_directory_path() /
+            (prefix + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::string str() const { return path_.string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// ~20 KB of varied English-like text, deterministic.
+inline std::string CorpusText() {
+  static const char* const kWords[] = {
+      "the",     "expert",   "router",  "group",   "token",   "gradient", "layer",
+      "quiet",   "river",    "mountain", "signal", "balance", "mixture",  "sparse",
+      "dense",   "attention", "model",  "learns",  "slowly",  "quickly",  "under",
+      "over",    "bright",   "window",  "carries", "every",   "small",    "large",
+      "garden",  "number",   "seven",   "forty",   "question", "answer",  "moves",
+      "through", "between",  "before",  "after",   "while"};
+  std::mt19937 rng(12345);
+  std::uniform_int_distribution<int> word(0, sizeof(kWords) / sizeof(kWords[0]) - 1);
+  std::uniform_int_distribution<int> len(4, 14);
+  std::string text;
+  int line = 0;
+  while (text.size() < 20000) {
+    const int n = len(rng);
+    std::string sentence;
+    for (int i = 0; i < n; ++i) {
+      std::string w = kWords[word(rng)];
+      if (i == 0) w[0] = static_cast<char>(w[0] - 'a' + 'A');
+      sentence += (i ? " " : "") + w;
+    }
+    sentence += (line % 3 == 0) ? "." : (line % 3 == 1 ? "?" : "!");
+    if (line % 5 == 0) sentence += " (" + std::to_string(line * 37 % 1000) + ")";
+    text += sentence + "\n";
+    ++line;
+  }
+  return text;
+}
+
+// CorpusText() written to <dir>/corpus.txt; returns the file's path.
+inline std::string WriteCorpus(const TempDir& dir) {
+  const std::string path = (dir.path() / "corpus.txt").string();
+  std::ofstream(path, std::ios::binary) << CorpusText();
+  return path;
+}
+
+// One in-process himoe-expert gRPC server per group of `o`'s model, on
+// 127.0.0.1:0, stopped on destruction.
+class ExpertCluster {
+ public:
+  explicit ExpertCluster(const TrainerOptions& o) {
+    const int groups = o.model.routing.num_groups;
+    for (int g = 0; g < groups; ++g) {
+      expert::ExpertServerOptions s;
+      s.address = "127.0.0.1:0";
+      s.core.group_id = g;
+      s.core.num_groups = groups;
+      s.core.num_experts = o.model.routing.num_experts;
+      s.core.num_layers = NumMoeLayers(o.model);
+      s.core.d_model = o.model.d_model;
+      s.core.d_ff = o.model.d_ff;
+      s.core.seed = o.model.seed;
+      auto server = expert::ExpertServer::Start(s);
+      EXPECT_TRUE(server.ok()) << server.status();
+      if (!server.ok()) continue;
+      addresses_.push_back("127.0.0.1:" + std::to_string((*server)->port()));
+      servers_.push_back(std::move(server).value());
+    }
+  }
+  const std::vector<std::string>& addresses() const { return addresses_; }
+  // `o` training on these services.
+  TrainerOptions Remote(TrainerOptions o) const {
+    o.remote_experts = true;
+    o.expert_addresses = addresses_;
+    return o;
+  }
+
+ private:
+  std::vector<std::unique_ptr<expert::ExpertServer>> servers_;
+  std::vector<std::string> addresses_;
+};
+
+}  // namespace himoe::trainer::testing
+
+#endif  // HIMOE_TESTS_TRAINER_TRAINER_TEST_UTIL_H_
