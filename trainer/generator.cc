@@ -26,13 +26,7 @@ absl::StatusOr<std::unique_ptr<Generator>> Generator::Create(const GeneratorOpti
   g->checkpoint_dir_ = contents.dir;
   const ModelOptions& m = contents.model;
 
-  ExpertBackendOptions eo;
-  eo.num_experts = m.routing.num_experts;
-  eo.num_groups = m.routing.num_groups;
-  eo.num_layers = NumMoeLayers(m);
-  eo.d_model = m.d_model;
-  eo.d_ff = m.d_ff;
-  eo.seed = m.seed;
+  ExpertBackendOptions eo = ExpertBackendOptionsFor(m);
   eo.deadline = options.deadline;
   const bool remote = !options.expert_addresses.empty();
   if (remote) {

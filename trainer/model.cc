@@ -22,6 +22,17 @@ int NumMoeLayers(const ModelOptions& o) {
   return n;
 }
 
+ExpertBackendOptions ExpertBackendOptionsFor(const ModelOptions& o) {
+  ExpertBackendOptions b;
+  b.num_experts = o.routing.num_experts;
+  b.num_groups = o.routing.num_groups;
+  b.num_layers = NumMoeLayers(o);
+  b.d_model = o.d_model;
+  b.d_ff = o.d_ff;
+  b.seed = o.seed;
+  return b;
+}
+
 TransformerLM::TransformerLM(const ModelOptions& o, ExpertBackend* experts)
     : options_(o), experts_(experts) {
   torch::manual_seed(o.seed);

@@ -33,6 +33,8 @@ struct ModelOptions {
 // Transformer layer i has an MoE FFN when this returns its MoE index, else -1.
 int MoeIndex(const ModelOptions& options, int layer);
 int NumMoeLayers(const ModelOptions& options);
+// The expert-backend sizes of this model (no addresses, no RPC hook).
+ExpertBackendOptions ExpertBackendOptionsFor(const ModelOptions& options);
 
 struct ModelOutput {
   at::Tensor logits;     // [B, T, V]

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "router_service/routing_config.h"
 #include "router_service/routing_math.h"
 
 namespace himoe::trainer {
@@ -55,6 +56,26 @@ absl::StatusOr<std::unique_ptr<RunLog>> RunLog::Create(const std::string& path,
   std::ofstream out(path, append ? std::ios::app : std::ios::trunc);
   if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", path));
   return std::unique_ptr<RunLog>(new RunLog(std::move(out), total_steps, window));
+}
+
+void RunLog::OnConfig(const TrainerOptions& o, const std::string& experts) {
+  const ModelOptions& m = o.model;
+  const router::RoutingConfig& r = m.routing;
+  out_ << absl::StrFormat(
+              R"({"kind":"config","method":"%s","experts":"%s","n_layer":%d,"d_model":%d,)"
+              R"("d_ff":%d,"moe_every":%d,"block_size":%d,"num_experts":%d,"num_groups":%d,)"
+              R"("top_k":%d,"temperature":%s,"tau":%s,"ema_beta":%s,"lambda_intra":%s,)"
+              R"("lambda_inter":%s,"alpha":%s,"z_coef":%s,"capacity_factor":%s,)"
+              R"("renormalize":%s,"steps":%d,"batch_size":%d,"grad_accum":%d,"lr":%s,)"
+              R"("seed":%d})",
+              router::RoutingMethodName(r.method), experts, m.n_layer, m.d_model, m.d_ff,
+              m.moe_every, m.block_size, r.num_experts, r.num_groups, r.top_k,
+              Num(r.temperature), Num(r.tau), Num(r.ema_beta), Num(r.lambda_intra),
+              Num(r.lambda_inter), Num(r.alpha), Num(r.z_coef), Num(r.capacity_factor),
+              r.renormalize ? "true" : "false", o.steps, o.batch_size, o.grad_accum, Num(o.lr),
+              o.seed)
+       << "\n";
+  out_.flush();
 }
 
 void RunLog::OnStep(const StepResult& s) {

@@ -13,7 +13,8 @@
 namespace himoe::trainer {
 
 // What a person and a plot see of a run: one JSON object per line in
-// metrics.jsonl (kind "train" per step, "eval" per evaluation), a live
+// metrics.jsonl (kind "config" once per start, "train" per step, "eval" per
+// evaluation), a live
 // progress line, and the final per-layer balance table.
 class RunLog {
  public:
@@ -22,6 +23,9 @@ class RunLog {
                                                         int64_t total_steps, int window,
                                                         bool append = false);
 
+  // The run's model, routing and optimization settings; `experts` is where
+  // the experts ran (local, cluster, inprocess).
+  void OnConfig(const TrainerOptions& options, const std::string& experts);
   void OnStep(const StepResult& step);
   void OnEval(int64_t step, double val_loss);
   // "step 120/600 | loss 2.31 | val ppl 9.84 | CV 0.12 | 5.3k tok/s | ETA 1m12s"

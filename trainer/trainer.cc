@@ -44,13 +44,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   eo.max_windows = o.eval_windows;
   ASSIGN_OR_RETURN(t->eval_, EvalWindows::Create(t->corpus_->val(), eo));
 
-  ExpertBackendOptions bo;
-  bo.num_experts = o.model.routing.num_experts;
-  bo.num_groups = o.model.routing.num_groups;
-  bo.num_layers = NumMoeLayers(o.model);
-  bo.d_model = o.model.d_model;
-  bo.d_ff = o.model.d_ff;
-  bo.seed = o.model.seed;
+  ExpertBackendOptions bo = ExpertBackendOptionsFor(o.model);
   bo.addresses = o.expert_addresses;
   bo.on_rpc = o.on_rpc;
   if (o.remote_experts) {

@@ -223,6 +223,7 @@ absl::Status Run() {
   ASSIGN_OR_RETURN(std::unique_ptr<RunLog> log,
                    RunLog::Create(absl::StrCat(out_dir, "/metrics.jsonl"), o.steps, 50,
                                   /*append=*/absl::GetFlag(FLAGS_resume)));
+  log->OnConfig(o, mode);
   const bool tty = isatty(STDERR_FILENO);
   ASSIGN_OR_RETURN(double val, trainer->Evaluate());
   log->OnEval(trainer->step(), val);

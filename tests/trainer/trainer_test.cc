@@ -19,15 +19,11 @@ namespace {
 
 constexpr int kGroups = 4;
 
-std::string WriteCorpus() {
-  const std::string dir = ::testing::TempDir() + "himoe_trainer_corpus";
-  std::filesystem::create_directories(dir);
-  std::ofstream out(dir + "/text.txt");
-  for (int i = 0; i < 400; ++i) {
-    out << "line " << i << ": the quick brown fox " << (i * 7919) % 1000
-        << " jumps over the lazy dog; grouped experts route tokens.\n";
-  }
-  return dir;
+// The corpus of every test in this process, removed at exit.
+const std::string& CorpusPath() {
+  static const testing::TempDir dir("himoe_trainer_test_corpus");
+  static const std::string path = testing::WriteCorpus(dir);
+  return path;
 }
 
 TrainerOptions SmallOptions(router::RoutingMethod method) {
@@ -44,7 +40,7 @@ TrainerOptions SmallOptions(router::RoutingMethod method) {
   o.model.routing.top_k = 1;
   o.model.routing.tau = 0.1;
   o.model.seed = 5;
-  o.data.paths = {WriteCorpus()};
+  o.data.paths = {CorpusPath()};
   o.steps = 3;
   o.batch_size = 4;
   o.grad_accum = 2;
