@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's main job with a tiny step count: a local cluster of expert
-# processes, the fortunes corpus, the progress line, the final report.
+# processes, the fortunes corpus, the progress line, the final report, the
+# plots.
 set -euo pipefail
 out="$(mktemp -d)"
 trap 'rm -rf "${out}"' EXIT
@@ -17,6 +18,10 @@ grep -q "validation: loss" "${log}"
 test "$(grep -c '"kind":"train"' "${out}/run/metrics.jsonl")" -eq 6
 test "$(grep -c '"kind":"eval"' "${out}/run/metrics.jsonl")" -eq 3
 test -f "${out}/run/checkpoints/step_00000006/MANIFEST"
+# The run drawn with gnuplot: PNG images.
+for image in loss heatmap group_share; do
+  head -c 8 "${out}/run/plots/${image}.png" | od -An -tx1 | grep -q "89 50 4e 47 0d 0a 1a 0a"
+done
 # Every expert process the trainer started is gone.
 if pgrep -f -- "${out}" >/dev/null; then
   echo "expert processes left behind" >&2
