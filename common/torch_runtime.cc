@@ -27,12 +27,16 @@ int DefaultThreadCount() {
 }
 
 absl::Status ConfigureTorchThreads(int threads) {
-  if (threads <= 0) threads = DefaultThreadCount();
+  // An explicit count wins over an inherited BLIS_NUM_THREADS: a process
+  // started with --threads 1 by one that set it to the core count (the
+  // trainer's expert processes) must not run one BLIS thread per core.
+  const bool explicit_count = threads > 0;
+  if (!explicit_count) threads = DefaultThreadCount();
   // LibTorch hands whole matmuls to the system BLAS, whose own thread pool
   // at::set_num_threads does not reach. BLIS (1 thread by default) reads
   // BLIS_NUM_THREADS when it initializes on its first call, so this must run
-  // before any matmul; a value the user set is kept.
-  setenv("BLIS_NUM_THREADS", std::to_string(threads).c_str(), /*overwrite=*/0);
+  // before any matmul.
+  setenv("BLIS_NUM_THREADS", std::to_string(threads).c_str(), explicit_count ? 1 : 0);
   using SetOpenBlas = void (*)(int);
   if (auto set = reinterpret_cast<SetOpenBlas>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
     set(threads);

@@ -11,9 +11,9 @@
 
 namespace himoe {
 
-// Sets torch's intra-op thread count and the BLAS's (BLIS_NUM_THREADS unless
-// already set; OpenBLAS through its API when loaded); `threads` <= 0 means
-// "all cores". Both default to 1 thread here, so every program calls this
+// Sets torch's intra-op thread count and the BLAS's (BLIS_NUM_THREADS;
+// OpenBLAS through its API when loaded); `threads` <= 0 means "all cores", and
+// then a BLIS_NUM_THREADS already in the environment is kept. Both default to 1 thread here, so every program calls this
 // first, before any matmul.
 absl::Status ConfigureTorchThreads(int threads);
 

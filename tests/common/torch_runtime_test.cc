@@ -19,15 +19,20 @@ TEST(TorchRuntimeTest, ConfigureTorchThreadsSetsTheIntraOpCount) {
   EXPECT_EQ(at::get_num_threads(), 2);
 }
 
-TEST(TorchRuntimeTest, BlisThreadsFollowUnlessTheUserSetThem) {
+TEST(TorchRuntimeTest, BlisThreadsFollowTheCount) {
   // ctest starts each test in its own process, so BLIS is not initialized yet.
   unsetenv("BLIS_NUM_THREADS");
   ASSERT_TRUE(ConfigureTorchThreads(2).ok());
   ASSERT_NE(getenv("BLIS_NUM_THREADS"), nullptr);
   EXPECT_STREQ(getenv("BLIS_NUM_THREADS"), "2");
-  setenv("BLIS_NUM_THREADS", "1", 1);
-  ASSERT_TRUE(ConfigureTorchThreads(2).ok());
+  // An explicit count overrides an inherited value (a child started with
+  // --threads 1 by a parent that set 2)...
+  ASSERT_TRUE(ConfigureTorchThreads(1).ok());
   EXPECT_STREQ(getenv("BLIS_NUM_THREADS"), "1");
+  // ... "all cores" keeps what the environment says.
+  setenv("BLIS_NUM_THREADS", "3", 1);
+  ASSERT_TRUE(ConfigureTorchThreads(0).ok());
+  EXPECT_STREQ(getenv("BLIS_NUM_THREADS"), "3");
 }
 
 TEST(TorchRuntimeTest, ZeroThreadsMeansAllAvailableCores) {
