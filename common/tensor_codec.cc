@@ -44,7 +44,7 @@ absl::StatusOr<v1::DType> DTypeToProto(c10::ScalarType type) {
 
 absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* out) {
   if (!tensor.defined()) return absl::InvalidArgumentError("tensor: undefined");
-  ASSIGN_OR_RETURN(const v1::DType dtype, DTypeToProto(tensor.scalar_type()));
+  HIMOE_ASSIGN_OR_RETURN(const v1::DType dtype, DTypeToProto(tensor.scalar_type()));
   return CatchTorchErrors([&] {
     // No-ops for a contiguous CPU tensor: then the only copy is into `out`.
     const at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
@@ -90,7 +90,7 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto,
         " needs ", expected_bytes));
   }
   at::Tensor out;
-  RETURN_IF_ERROR(CatchTorchErrors([&] {
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     out = at::empty(shape, at::TensorOptions().dtype(*scalar_type));
     if (expected_bytes > 0) {
       std::memcpy(out.data_ptr(), proto.data().data(), expected_bytes);

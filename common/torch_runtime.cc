@@ -66,6 +66,8 @@ absl::StatusOr<c10::Device> ParseDevice(absl::string_view spec) {
 absl::Status CatchTorchErrors(const std::function<absl::Status()>& fn) {
   try {
     return fn();
+  } catch (const StatusException& e) {
+    return e.status();
   } catch (const c10::Error& e) {
     return absl::InternalError(
         absl::StrCat("torch error: ", e.what_without_backtrace()));

@@ -7,7 +7,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/expert_shape.h"
 #include "common/status_macros.h"
+#include "common/tensor_codec.h"
 #include "common/torch_runtime.h"
 
 namespace himoe::expert {
@@ -37,31 +39,33 @@ at::Tensor ExpertFfn(const at::Tensor& x, const at::Tensor& w1,
   return at::linear(at::gelu(at::linear(x, w1, b1)), w2, b2);
 }
 
-absl::StatusOr<std::unique_ptr<ExpertGroup>> ExpertGroup::Create(
-    const ExpertGroupOptions& o) {
-  if (o.group_id < 0 || o.experts_per_group < 1 || o.d_model < 1 || o.d_ff < 1) {
+absl::StatusOr<std::unique_ptr<ExpertGroup>> ExpertGroup::Create(const v1::ExpertShape& shape,
+                                                                 int group_id, int layer,
+                                                                 c10::Device device) {
+  HIMOE_RETURN_IF_ERROR(ValidateExpertShape(shape));
+  if (group_id < 0 || group_id >= shape.num_groups()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "expert group: need group_id >= 0, experts_per_group >= 1, d_model >= 1, "
-        "d_ff >= 1; got ", o.group_id, ", ", o.experts_per_group, ", ", o.d_model,
-        ", ", o.d_ff));
+        "group_id: ", group_id, " is outside [0, ", shape.num_groups(), ")"));
   }
-  if (o.dtype != c10::kFloat && o.dtype != c10::kBFloat16) {
+  if (layer < 0 || layer >= shape.num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "expert group: dtype must be float32 or bfloat16, got ", c10::toString(o.dtype)));
+        "expert group: layer ", layer, " is outside [0, ", shape.num_layers(), ")"));
   }
-  std::unique_ptr<ExpertGroup> group(new ExpertGroup(o));
-  RETURN_IF_ERROR(CatchTorchErrors([&] {
+  HIMOE_ASSIGN_OR_RETURN(const c10::ScalarType dtype, ScalarTypeFromProto(shape.dtype()));
+  std::unique_ptr<ExpertGroup> group(new ExpertGroup(shape, group_id, layer, device, dtype));
+  const int64_t d = shape.d_model(), d_ff = shape.d_ff();
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     std::vector<at::Tensor> w1, b1, w2, b2;
-    for (int s = 0; s < o.experts_per_group; ++s) {
+    for (int s = 0; s < group->experts_per_group(); ++s) {
       at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(
-          ExpertSeed(o.seed, o.layer, group->first_expert() + s));
-      w1.push_back(Uniform({o.d_ff, o.d_model}, o.d_model, gen));
-      b1.push_back(Uniform({o.d_ff}, o.d_model, gen));
-      w2.push_back(Uniform({o.d_model, o.d_ff}, o.d_ff, gen));
-      b2.push_back(Uniform({o.d_model}, o.d_ff, gen));
+          ExpertSeed(shape.seed(), layer, group->first_expert() + s));
+      w1.push_back(Uniform({d_ff, d}, d, gen));
+      b1.push_back(Uniform({d_ff}, d, gen));
+      w2.push_back(Uniform({d, d_ff}, d_ff, gen));
+      b2.push_back(Uniform({d}, d_ff, gen));
     }
     const auto place = [&](const std::vector<at::Tensor>& parts) {
-      return at::stack(parts).to(o.device, o.dtype).set_requires_grad(true);
+      return at::stack(parts).to(device, dtype).set_requires_grad(true);
     };
     group->w1_ = place(w1);
     group->b1_ = place(b1);
@@ -74,30 +78,30 @@ absl::StatusOr<std::unique_ptr<ExpertGroup>> ExpertGroup::Create(
 
 absl::StatusOr<at::Tensor> ExpertGroup::Forward(const at::Tensor& rows,
                                                 const at::Tensor& expert_ids) const {
-  if (rows.dim() != 2 || rows.size(1) != options_.d_model) {
+  if (rows.dim() != 2 || rows.size(1) != d_model()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "expert group ", options_.group_id, ": rows must be [n, d_model=",
-        options_.d_model, "], got [", absl::StrJoin(rows.sizes(), ", "), "]"));
+        "expert group ", group_id_, ": rows must be [n, d_model=",
+        d_model(), "], got [", absl::StrJoin(rows.sizes(), ", "), "]"));
   }
   if (expert_ids.dim() != 1 || expert_ids.size(0) != rows.size(0)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "expert group ", options_.group_id, ": expert_ids must be [n=", rows.size(0),
+        "expert group ", group_id_, ": expert_ids must be [n=", rows.size(0),
         "], got [", absl::StrJoin(expert_ids.sizes(), ", "), "]"));
   }
   at::Tensor out;
-  RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
     const at::Tensor local =
-        (expert_ids.to(options_.device, at::kLong) - first_expert());
+        (expert_ids.to(device_, at::kLong) - first_expert());
+    const int s_count = experts_per_group();
     if (local.numel() > 0 &&
-        (local.min().item<int64_t>() < 0 ||
-         local.max().item<int64_t>() >= options_.experts_per_group)) {
+        (local.min().item<int64_t>() < 0 || local.max().item<int64_t>() >= s_count)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "expert group ", options_.group_id, ": expert ids must be in [",
-          first_expert(), ", ", first_expert() + options_.experts_per_group, ")"));
+          "expert group ", group_id_, ": expert ids must be in [",
+          first_expert(), ", ", first_expert() + s_count, ")"));
     }
-    const at::Tensor x = rows.to(options_.device, options_.dtype);
-    out = at::zeros({rows.size(0), options_.d_model}, x.options());
-    for (int64_t s = 0; s < options_.experts_per_group; ++s) {
+    const at::Tensor x = rows.to(device_, dtype_);
+    out = at::zeros({rows.size(0), d_model()}, x.options());
+    for (int64_t s = 0; s < s_count; ++s) {
       const at::Tensor idx = at::nonzero(local.eq(s)).reshape(-1);
       if (idx.numel() == 0) continue;
       const at::Tensor y = ExpertFfn(x.index_select(0, idx), w1_[s], b1_[s], w2_[s], b2_[s]);

@@ -9,30 +9,25 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 
 #include "absl/status/statusor.h"
+#include "himoe/v1/model.pb.h"
 
 namespace himoe::expert {
 
-struct ExpertGroupOptions {
-  int group_id = 0;
-  int experts_per_group = 1;  // S
-  int64_t d_model = 0;
-  int64_t d_ff = 0;
-  int layer = 0;
-  uint64_t seed = 0;
-  c10::Device device = c10::Device(c10::kCPU);
-  c10::ScalarType dtype = c10::kFloat;  // kFloat or kBFloat16
-};
-
-// The experts [group_id*S, (group_id+1)*S) of one MoE layer on one device.
+// The experts [g*S, (g+1)*S) of one MoE layer on one device, S = N/M.
 // Expert e is the FFN  y = W2_e gelu(W1_e x + b1_e) + b2_e  (d -> d_ff -> d).
-// Weights of expert e depend only on (seed, layer, e), so a group built in any
-// process holds the same experts as the in-process reference.
+// Weights of expert e depend only on (shape.seed, layer, e): every process
+// that builds a group from the same shape holds the same experts.
 class ExpertGroup {
  public:
-  static absl::StatusOr<std::unique_ptr<ExpertGroup>> Create(
-      const ExpertGroupOptions& options);
+  // The one way to build experts. InvalidArgument for an invalid shape
+  // (ValidateExpertShape), a group outside [0, M) or a layer outside
+  // [0, num_layers).
+  static absl::StatusOr<std::unique_ptr<ExpertGroup>> Create(const v1::ExpertShape& shape,
+                                                             int group_id, int layer,
+                                                             c10::Device device);
 
   // rows [n, d] with global expert ids [n] (all inside this group). Returns
   // [n, d] in the group's dtype, on its device, differentiable w.r.t. the
@@ -45,17 +40,28 @@ class ExpertGroup {
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
   std::vector<at::Tensor> parameters() const;
 
-  const ExpertGroupOptions& options() const { return options_; }
-  int first_expert() const { return options_.group_id * options_.experts_per_group; }
+  const v1::ExpertShape& shape() const { return shape_; }
+  int group_id() const { return group_id_; }
+  int layer() const { return layer_; }
+  c10::Device device() const { return device_; }
+  c10::ScalarType dtype() const { return dtype_; }
+  int64_t d_model() const { return shape_.d_model(); }
+  int experts_per_group() const { return shape_.num_experts() / shape_.num_groups(); }
+  int first_expert() const { return group_id_ * experts_per_group(); }
   bool owns(int64_t expert_id) const {
-    return expert_id >= first_expert() &&
-           expert_id < first_expert() + options_.experts_per_group;
+    return expert_id >= first_expert() && expert_id < first_expert() + experts_per_group();
   }
 
  private:
-  explicit ExpertGroup(const ExpertGroupOptions& options) : options_(options) {}
+  ExpertGroup(const v1::ExpertShape& shape, int group_id, int layer, c10::Device device,
+              c10::ScalarType dtype)
+      : shape_(shape), group_id_(group_id), layer_(layer), device_(device), dtype_(dtype) {}
 
-  ExpertGroupOptions options_;
+  v1::ExpertShape shape_;
+  int group_id_;
+  int layer_;
+  c10::Device device_;
+  c10::ScalarType dtype_;
   at::Tensor w1_, b1_, w2_, b2_;
 };
 

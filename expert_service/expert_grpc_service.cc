@@ -8,7 +8,9 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/host_port.h"
 #include "common/status_macros.h"
+#include "expert_service/state_stream.h"
 #include "proto/grpc_status.h"
 
 namespace himoe::expert {
@@ -178,15 +180,11 @@ absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(
     return absl::InvalidArgumentError(absl::StrCat(
         "max_message_bytes: ", options.max_message_bytes, "; expected >= 1024"));
   }
-  const size_t colon = options.address.rfind(':');
-  if (colon == std::string::npos || colon == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "address: expected host:port, got '", options.address, "'"));
-  }
+  HIMOE_ASSIGN_OR_RETURN(const HostPort listen, ParseHostPort("address", options.address));
   std::unique_ptr<ExpertServer> server(new ExpertServer());
-  ASSIGN_OR_RETURN(server->core_, ExpertServiceCore::Create(options.core));
+  HIMOE_ASSIGN_OR_RETURN(server->core_, ExpertServiceCore::Create(options.core));
   if (!options.state_file.empty()) {
-    RETURN_IF_ERROR(LoadStateFromFile(options.state_file, server->core_.get()));
+    HIMOE_RETURN_IF_ERROR(LoadStateFromFile(options.state_file, server->core_.get()));
   }
   // Leaves room for the chunk's name, shape and framing.
   server->service_ = std::make_unique<ExpertGrpcService>(
@@ -195,8 +193,8 @@ absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(),
-                           &server->port_);
+  builder.AddListeningPort(JoinHostPort(listen.host, listen.port),
+                           grpc::InsecureServerCredentials(), &server->port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.RegisterService(server->service_.get());
@@ -206,8 +204,7 @@ absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(
     return absl::UnavailableError(
         absl::StrCat("cannot listen on '", options.address, "'"));
   }
-  server->address_ =
-      absl::StrCat(options.address.substr(0, colon), ":", server->port_);
+  server->address_ = JoinHostPort(listen.host, server->port_);
   if (grpc::HealthCheckServiceInterface* health =
           server->server_->GetHealthCheckService()) {
     health->SetServingStatus(v1::ExpertService::service_full_name(), true);

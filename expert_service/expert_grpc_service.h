@@ -51,7 +51,7 @@ class ExpertGrpcService final : public v1::ExpertService::CallbackService {
 
 struct ExpertServerOptions {
   ExpertServiceOptions core;
-  std::string address = "127.0.0.1:0";  // host:port; port 0 picks one
+  std::string address = "127.0.0.1:0";  // host:port or [v6]:port; port 0 picks one
   int max_message_bytes = 64 << 20;     // receive and send
   // Optional: a state file (SaveStateToFile) loaded before serving.
   std::string state_file;

@@ -1,20 +1,20 @@
 // himoe-expert: serves one expert group (for every MoE layer) over gRPC.
 
-#include <signal.h>
-
-#include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
-#include <fstream>
+#include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/expert_shape.h"
+#include "common/file_util.h"
+#include "common/host_port.h"
+#include "common/metrics_endpoint.h"
+#include "common/program.h"
+#include "common/signals.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 #include "expert_service/expert_grpc_service.h"
@@ -22,8 +22,8 @@
 #include "glog/logging.h"
 #include "prometheus/exposer.h"
 
-ABSL_FLAG(std::string, address, "0.0.0.0", "IP address to listen on");
-ABSL_FLAG(int32_t, port, 50051, "port to listen on; 0 picks a free one");
+ABSL_FLAG(std::string, address, "0.0.0.0:50051",
+          "host:port to listen on ([v6 host]:port for IPv6); port 0 picks a free one");
 ABSL_FLAG(int32_t, group_id, 0, "the expert group served, in [0, num_groups)");
 ABSL_FLAG(int32_t, num_groups, 1, "M: expert groups of the model");
 ABSL_FLAG(int32_t, num_experts, 8, "N: experts per MoE layer, a multiple of M");
@@ -49,58 +49,33 @@ ABSL_FLAG(std::string, port_file, "",
 namespace himoe::expert {
 namespace {
 
-std::atomic<bool> g_stop{false};
-static_assert(std::atomic<bool>::is_always_lock_free);
+constexpr char kUsage[] =
+    "Serves one expert group of a Hi-MoE model over gRPC.\n"
+    "  himoe-expert --address=0.0.0.0:50051 --group_id=0 --num_groups=4 --num_experts=8 "
+    "--num_layers=2 --d_model=64 --d_ff=256 --seed=0 [--dtype=bfloat16] [--metrics_port=0]";
 
-extern "C" void OnStopSignal(int) { g_stop.store(true); }
-
-absl::Status InstallSignalHandlers() {
-  struct sigaction action = {};
-  action.sa_handler = OnStopSignal;
-  sigemptyset(&action.sa_mask);
-  for (const int sig : {SIGTERM, SIGINT}) {
-    if (sigaction(sig, &action, nullptr) != 0) {
-      return absl::InternalError(absl::StrCat("sigaction(", sig, ") failed"));
-    }
+absl::StatusOr<v1::ExpertShape> ShapeFromFlags() {
+  v1::ExpertShape shape;
+  shape.set_num_experts(absl::GetFlag(FLAGS_num_experts));
+  shape.set_num_groups(absl::GetFlag(FLAGS_num_groups));
+  shape.set_num_layers(absl::GetFlag(FLAGS_num_layers));
+  shape.set_d_model(absl::GetFlag(FLAGS_d_model));
+  shape.set_d_ff(absl::GetFlag(FLAGS_d_ff));
+  shape.set_seed(absl::GetFlag(FLAGS_seed));
+  const auto dtype = ParseExpertDtype(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", dtype.status().message()));
   }
-  return absl::OkStatus();
+  shape.set_dtype(*dtype);
+  return shape;
 }
 
-absl::StatusOr<c10::ScalarType> ParseDtype(const std::string& name) {
-  if (name == "float32") return c10::kFloat;
-  if (name == "bfloat16") return c10::kBFloat16;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--dtype: expected float32 or bfloat16, got '", name, "'"));
-}
-
-// Written under a temporary name and renamed, so readers never see a partial file.
-absl::Status WritePortFile(const std::string& path, const std::string& ports) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << ports << "\n";
-    out.close();
-    if (!out) return absl::UnavailableError(absl::StrCat("cannot write '", tmp, "'"));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::UnavailableError(absl::StrCat("cannot rename '", tmp, "' to '", path, "'"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Run() {
-  RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
+absl::StatusOr<ExpertServerOptions> OptionsFromFlags() {
   ExpertServerOptions options;
   ExpertServiceOptions& core = options.core;
+  HIMOE_ASSIGN_OR_RETURN(core.shape, ShapeFromFlags());
   core.group_id = absl::GetFlag(FLAGS_group_id);
-  core.num_groups = absl::GetFlag(FLAGS_num_groups);
-  core.num_experts = absl::GetFlag(FLAGS_num_experts);
-  core.num_layers = absl::GetFlag(FLAGS_num_layers);
-  core.d_model = absl::GetFlag(FLAGS_d_model);
-  core.d_ff = absl::GetFlag(FLAGS_d_ff);
-  core.seed = absl::GetFlag(FLAGS_seed);
-  ASSIGN_OR_RETURN(core.device, ParseDevice(absl::GetFlag(FLAGS_device)));
-  ASSIGN_OR_RETURN(core.dtype, ParseDtype(absl::GetFlag(FLAGS_dtype)));
+  HIMOE_ASSIGN_OR_RETURN(core.device, ParseDevice(absl::GetFlag(FLAGS_device)));
   core.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens);
   if (const double ttl = absl::GetFlag(FLAGS_saved_state_ttl_s); ttl >= 0) {
     core.saved_state_ttl = absl::Seconds(ttl);
@@ -108,61 +83,58 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         absl::StrCat("--saved_state_ttl_s: ", ttl, "; expected >= 0"));
   }
-  const int port = absl::GetFlag(FLAGS_port);
-  if (port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("--port: ", port, " is out of range"));
-  }
-  std::string host = absl::GetFlag(FLAGS_address);
-  if (host.find(':') != std::string::npos && host.front() != '[') {
-    host = absl::StrCat("[", host, "]");  // IPv6 literal
-  }
-  options.address = absl::StrCat(host, ":", port);
+  HIMOE_ASSIGN_OR_RETURN(const HostPort listen,
+                         ParseHostPort("--address", absl::GetFlag(FLAGS_address)));
+  options.address = JoinHostPort(listen.host, listen.port);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.state_file = absl::GetFlag(FLAGS_state_file);
+  return options;
+}
 
-  RETURN_IF_ERROR(InstallSignalHandlers());
-  ASSIGN_OR_RETURN(std::unique_ptr<ExpertServer> server, ExpertServer::Start(options));
-  const ExpertServiceInfo info = server->core()->Info();
+// Metrics: a scrape reads the core's counters; civetweb threads run beside
+// torch's. Null when --metrics_port is negative.
+absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
+    ExpertServer* server, std::shared_ptr<ExpertMetrics>* metrics) {
+  const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  if (metrics_port < 0) return nullptr;
+  HIMOE_ASSIGN_OR_RETURN(
+      std::unique_ptr<prometheus::Exposer> exposer,
+      StartMetricsEndpoint("--metrics_port", absl::GetFlag(FLAGS_metrics_address), metrics_port));
+  *metrics = std::make_shared<ExpertMetrics>(server->core());
+  exposer->RegisterCollectable(*metrics);
+  LOG(INFO) << "metrics on port " << MetricsPort(*exposer);
+  return exposer;
+}
+
+void LogServing(ExpertServer& server, const ExpertServerOptions& options) {
+  const ExpertServiceInfo info = server.core()->Info();
   LOG(INFO) << info.version << ": group " << info.group_id << " of "
             << info.num_groups << ", experts [" << absl::StrJoin(info.expert_ids, ",")
-            << "], " << info.layers.size() << " layers, d_model " << info.d_model
-            << ", d_ff " << info.d_ff << ", " << c10::toString(info.dtype) << " on "
-            << info.device << (options.state_file.empty() ? "" : ", state from ")
-            << options.state_file << "; serving on " << server->address();
-  // Metrics: a scrape reads the core's counters; civetweb threads run beside torch's.
-  std::unique_ptr<prometheus::Exposer> exposer;
+            << "], " << ExpertShapeDebugString(info.shape) << " on " << info.device
+            << (options.state_file.empty() ? "" : ", state from ") << options.state_file
+            << "; serving on " << server.address();
+}
+
+absl::Status Run() {
+  HIMOE_RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
+  HIMOE_ASSIGN_OR_RETURN(const ExpertServerOptions options, OptionsFromFlags());
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<ExpertServer> server, ExpertServer::Start(options));
+  LogServing(*server, options);
   std::shared_ptr<ExpertMetrics> metrics;
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<prometheus::Exposer> exposer,
+                         StartMetrics(server.get(), &metrics));
   std::string ports = std::to_string(server->port());
-  if (const int metrics_port = absl::GetFlag(FLAGS_metrics_port); metrics_port >= 0) {
-    try {
-      exposer = std::make_unique<prometheus::Exposer>(
-          absl::StrCat(absl::GetFlag(FLAGS_metrics_address), ":", metrics_port));
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(
-          absl::StrCat("--metrics_port ", metrics_port, ": cannot listen: ", e.what()));
-    }
-    metrics = std::make_shared<ExpertMetrics>(server->core());
-    exposer->RegisterCollectable(metrics);
-    absl::StrAppend(&ports, " ", exposer->GetListeningPorts().front());
-    LOG(INFO) << "metrics on port " << exposer->GetListeningPorts().front();
-  }
+  if (exposer != nullptr) absl::StrAppend(&ports, " ", MetricsPort(*exposer));
   if (const std::string port_file = absl::GetFlag(FLAGS_port_file); !port_file.empty()) {
-    RETURN_IF_ERROR(WritePortFile(port_file, ports));
+    HIMOE_RETURN_IF_ERROR(WriteFileAtomically(port_file, ports + "\n"));
   }
 
-  std::atomic<bool> stopped{false};
-  std::thread watcher([&] {
-    while (!g_stop.load() && !stopped.load()) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    if (g_stop.load()) {
-      LOG(INFO) << "stop signal received; shutting down";
-      server->Shutdown(absl::Seconds(10));
-    }
-  });
+  int sig = 0;
+  while ((sig = WaitForStopSignal(std::chrono::milliseconds(500))) == 0) {
+  }
+  LOG(INFO) << "stop signal " << sig << " received; shutting down";
+  server->Shutdown(absl::Seconds(10));
   server->Wait();
-  stopped.store(true);
-  watcher.join();
   LOG(INFO) << "himoe-expert stopped";
   return absl::OkStatus();
 }
@@ -171,7 +143,8 @@ absl::Status Run() {
 }  // namespace himoe::expert
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  himoe::BlockStopSignals();  // before any thread starts: they inherit the mask
+  himoe::ParseCommandLine(argc, argv, himoe::expert::kUsage);
   if (std::getenv("GLOG_logtostderr") == nullptr && std::getenv("GLOG_log_dir") == nullptr) {
     FLAGS_logtostderr = true;
   }

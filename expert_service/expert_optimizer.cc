@@ -76,20 +76,20 @@ absl::StatusOr<std::unique_ptr<ExpertOptimizer>> ExpertOptimizer::Create(
   std::set<int> layers;
   for (const ExpertGroup* g : groups) {
     if (g == nullptr) return absl::InvalidArgumentError("expert optimizer: null group");
-    if (!layers.insert(g->options().layer).second) {
+    if (!layers.insert(g->layer()).second) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "expert optimizer: layer ", g->options().layer, " appears twice"));
+          "expert optimizer: layer ", g->layer(), " appears twice"));
     }
   }
   std::unique_ptr<ExpertOptimizer> opt(new ExpertOptimizer());
   std::vector<at::Tensor> decayed, not_decayed;
   for (const ExpertGroup* g : groups) {
     for (const auto& [name, tensor] : g->named_parameters()) {
-      opt->params_.push_back({absl::StrCat("layer", g->options().layer, ".", name), tensor});
+      opt->params_.push_back({absl::StrCat("layer", g->layer(), ".", name), tensor});
       (name == "w1" || name == "w2" ? decayed : not_decayed).push_back(tensor);
     }
   }
-  RETURN_IF_ERROR(CatchTorchErrors([&] {
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     using torch::optim::AdamWOptions;
     std::vector<torch::optim::OptimizerParamGroup> param_groups;
     param_groups.emplace_back(decayed, std::make_unique<AdamWOptions>());
@@ -110,10 +110,10 @@ double ExpertOptimizer::GradNormSquared() const {
   return sum;
 }
 
-absl::StatusOr<StepResult> ExpertOptimizer::Step(const StepOptions& o) {
-  RETURN_IF_ERROR(ValidateOptions(o));
-  StepResult result;
-  RETURN_IF_ERROR(CatchTorchErrors([&] {
+absl::StatusOr<OptimizerStepResult> ExpertOptimizer::Step(const StepOptions& o) {
+  HIMOE_RETURN_IF_ERROR(ValidateOptions(o));
+  OptimizerStepResult result;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     result.grad_norm_squared = GradNormSquared();
     if (o.step <= last_applied_step_) return absl::OkStatus();
     at::NoGradGuard no_grad;
@@ -221,7 +221,7 @@ absl::Status ExpertOptimizer::SetState(absl::Span<const NamedTensor> tensors) {
     if (!tensor.defined()) {
       return absl::InvalidArgumentError(absl::StrCat("state '", name, "': undefined tensor"));
     }
-    RETURN_IF_ERROR(ValidateStateTensor(name, tensor.scalar_type(), tensor.sizes()));
+    HIMOE_RETURN_IF_ERROR(ValidateStateTensor(name, tensor.scalar_type(), tensor.sizes()));
     if (name == kLastAppliedStep) {
       if (last_applied != nullptr) {
         return absl::InvalidArgumentError(absl::StrCat("state '", name, "': given twice"));
@@ -249,7 +249,7 @@ absl::Status ExpertOptimizer::SetState(absl::Span<const NamedTensor> tensors) {
   // Build every new entry before touching the optimizer.
   std::vector<std::pair<std::string, std::unique_ptr<torch::optim::AdamWParamState>>> built;
   int64_t last_applied_value = 0;
-  RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
     if (last_applied != nullptr) last_applied_value = last_applied->item<int64_t>();
     for (const auto& [param_name, fields] : per_param) {
       const int64_t step = fields.at("step").item<int64_t>();

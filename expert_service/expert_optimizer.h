@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/named_tensor.h"
 #include "expert_service/expert_group.h"
 
 namespace torch::optim {
@@ -19,8 +20,6 @@ class AdamW;
 }  // namespace torch::optim
 
 namespace himoe::expert {
-
-using NamedTensor = std::pair<std::string, at::Tensor>;
 
 // One AdamW update, as the coordinator asks for it.
 struct StepOptions {
@@ -33,7 +32,7 @@ struct StepOptions {
   double eps = 1e-8;         // > 0
 };
 
-struct StepResult {
+struct OptimizerStepResult {
   bool applied = false;
   uint64_t last_applied_step = 0;
   // sum ||grad||^2 before grad_scale (of the grads still held if not applied).
@@ -62,7 +61,7 @@ class ExpertOptimizer {
 
   // Idempotent per step id: a step <= last_applied_step() changes nothing
   // (not even the grads) and returns applied = false.
-  absl::StatusOr<StepResult> Step(const StepOptions& options);
+  absl::StatusOr<OptimizerStepResult> Step(const StepOptions& options);
 
   // Zeroes every defined grad in place.
   void ZeroGrad();

@@ -2,13 +2,11 @@
 #define HIMOE_EXPERT_SERVICE_EXPERT_SERVICE_CORE_H_
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <shared_mutex>
 #include <string>
 #include <utility>
@@ -21,25 +19,22 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/named_tensor.h"
 #include "expert_service/expert_group.h"
 #include "expert_service/expert_optimizer.h"
+#include "expert_service/saved_forward_store.h"
 #include "himoe/v1/expert.pb.h"
+#include "himoe/v1/model.pb.h"
 
 namespace himoe::expert {
 
 inline constexpr char kExpertServiceVersion[] = "himoe-expert/0.1";
-inline constexpr int64_t kDefaultStateChunkBytes = 1 << 20;
 
 struct ExpertServiceOptions {
+  // The model's experts; the service holds group `group_id` of every layer.
+  v1::ExpertShape shape;
   int group_id = 0;
-  int num_groups = 1;
-  int num_experts = 1;  // N, over all groups; N / num_groups per group
-  int num_layers = 1;   // the service holds layers [0, num_layers)
-  int64_t d_model = 0;
-  int64_t d_ff = 0;
-  uint64_t seed = 0;
-  c10::Device device = c10::Device(c10::kCPU);
-  c10::ScalarType dtype = c10::kFloat;  // kFloat or kBFloat16
+  c10::Device device{c10::kCPU};
   int64_t max_tokens_per_request = 65536;
   // Saved Forward states at least this old are dropped by the sweep that
   // starts every Forward, Info and Abort call. >= 0.
@@ -47,6 +42,7 @@ struct ExpertServiceOptions {
 };
 
 struct ExpertServiceInfo {
+  v1::ExpertShape shape;  // as served: the options' shape
   int group_id = 0;
   int num_groups = 0;
   int num_experts = 0;
@@ -143,36 +139,27 @@ class ExpertServiceCore {
   const ExpertGroup* group(int layer) const;
 
  private:
-  explicit ExpertServiceCore(const ExpertServiceOptions& options);
+  ExpertServiceCore(const ExpertServiceOptions& options, c10::ScalarType dtype);
 
-  // (step, micro_batch, layer, request_id) of a saved Forward.
-  struct SavedKey {
-    uint64_t step = 0;
-    uint32_t micro_batch = 0;
-    int32_t layer = 0;
-    uint64_t request_id = 0;
-    bool operator<(const SavedKey& o) const;
-    std::string DebugString() const;
-  };
-  struct SavedForward {
-    at::Tensor input;   // [rows, d] leaf in the group dtype, requires grad
-    at::Tensor output;  // [rows, d] with its graph
-    std::vector<int32_t> expert_ids;  // per request input
-    std::vector<int64_t> rows;        // per request input
-    uint64_t weights_version = 0;     // weights_version_ at Forward time
-    std::chrono::steady_clock::time_point created;
-  };
-
+  // The request's layer and size limits, before anything is decoded.
+  absl::Status CheckForwardRequest(const v1::ExpertForwardRequest& request) const;
   absl::Status ForwardImpl(const v1::ExpertForwardRequest& request,
-                             v1::ExpertForwardResponse* response);
+                           v1::ExpertForwardResponse* response);
+  // Runs the layer's group on the decoded rows and encodes the outputs; with
+  // `saved`, keeps the graph there.
+  absl::Status ComputeForward(const v1::ExpertForwardRequest& request,
+                              const std::vector<at::Tensor>& rows, SavedForward* saved,
+                              v1::ExpertForwardResponse* response);
   absl::Status BackwardImpl(const SavedKey& key, SavedForward& saved,
                             const v1::ExpertBackwardRequest& request,
                             v1::ExpertBackwardResponse* response);
-  // Drops saved states at least saved_state_ttl old. Bookkeeping only, hence
-  // const (Info sweeps too).
-  void SweepExpiredSaved() const;
+  // dL/d(input) of a saved Forward; accumulates the parameter grads.
+  absl::StatusOr<at::Tensor> RunBackward(const SavedKey& key, SavedForward& saved,
+                                         const std::vector<at::Tensor>& grads);
+  int num_layers() const { return options_.shape.num_layers(); }
 
   ExpertServiceOptions options_;
+  c10::ScalarType dtype_;  // of the experts, from the shape
   int experts_per_group_ = 0;
   std::vector<std::unique_ptr<ExpertGroup>> groups_;  // by layer
   std::map<std::string, at::Tensor> parameters_;      // handles into groups_
@@ -183,9 +170,8 @@ class ExpertServiceCore {
   mutable std::shared_mutex state_mutex_;
   // Serializes parameter .grad accumulation (Backward) and reading it.
   std::mutex grad_mutex_;
-  mutable std::mutex saved_mutex_;
-  mutable std::map<SavedKey, SavedForward> saved_;  // guarded by saved_mutex_
-  mutable std::atomic<int64_t> saved_expired_{0};
+  // Bookkeeping only, so Info (const) sweeps it too.
+  mutable SavedForwardStore saved_;
   std::atomic<uint64_t> last_applied_step_{0};
   // Bumped (under the writer lock) whenever Step or SetState changes weights:
   // a saved Forward from before cannot be differentiated any more.
@@ -199,70 +185,6 @@ class ExpertServiceCore {
   std::atomic<int64_t> in_flight_{0};
   std::function<void(double)> forward_observer_;
 };
-
-// Splits named tensors into StateChunk messages of at most chunk_bytes data
-// bytes each. Every chunk repeats name, dtype and shape; `last` marks the
-// final chunk of a tensor (an empty tensor is one empty chunk).
-class StateChunker {
- public:
-  static absl::StatusOr<std::unique_ptr<StateChunker>> Create(
-      std::vector<NamedTensor> tensors, int64_t chunk_bytes);
-
-  // Fills `chunk` with the next chunk; false once every tensor is sent.
-  bool Next(v1::StateChunk* chunk);
-
- private:
-  struct Entry {
-    std::string name;
-    v1::DType dtype;
-    std::vector<int64_t> shape;
-    at::Tensor tensor;  // contiguous, on the CPU
-  };
-  StateChunker(std::vector<Entry> entries, int64_t chunk_bytes)
-      : entries_(std::move(entries)), chunk_bytes_(chunk_bytes) {}
-
-  std::vector<Entry> entries_;
-  int64_t chunk_bytes_;
-  size_t index_ = 0;
-  int64_t offset_ = 0;
-};
-
-// The reverse of StateChunker: checks that the chunks of each tensor arrive
-// in order, contiguous, with consistent metadata, and that every tensor is
-// complete before the next one starts.
-class StateAssembler {
- public:
-  // Called on the first chunk of each tensor, before its bytes are buffered.
-  using Validator = std::function<absl::Status(
-      const std::string& name, c10::ScalarType dtype, at::IntArrayRef shape)>;
-
-  explicit StateAssembler(Validator validator = nullptr)
-      : validator_(std::move(validator)) {}
-
-  absl::Status Add(const v1::StateChunk& chunk);
-  // Fails if a tensor is incomplete; returns the tensors in arrival order.
-  absl::StatusOr<std::vector<NamedTensor>> Finish();
-
-  int64_t chunks() const { return chunks_; }
-
- private:
-  Validator validator_;
-  std::vector<NamedTensor> done_;
-  std::set<std::string> seen_;
-  bool open_ = false;  // a tensor is partially received
-  v1::Tensor current_;
-  std::string current_name_;
-  int64_t current_bytes_ = 0;  // expected total
-  int64_t chunks_ = 0;
-};
-
-// State files: a length-delimited stream of StateChunk messages.
-absl::Status SaveStateToFile(const ExpertServiceCore& core,
-                             const std::string& path,
-                             int64_t chunk_bytes = kDefaultStateChunkBytes,
-                             bool include_optimizer = false);
-absl::Status LoadStateFromFile(const std::string& path,
-                               ExpertServiceCore* core);
 
 }  // namespace himoe::expert
 

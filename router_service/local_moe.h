@@ -9,19 +9,20 @@
 #include <c10/core/Device.h>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "expert_service/expert_group.h"
+#include "himoe/v1/model.pb.h"
 #include "router_service/router_layer.h"
 
 namespace himoe::router {
 
 struct LocalMoEOptions {
   RoutingConfig routing;
-  int64_t d_model = 0;
-  int64_t d_ff = 0;
+  // N and M must match the routing config's; the layer must be below
+  // num_layers. The gate's seed is RouterSeedFor(shape.seed(), layer).
+  v1::ExpertShape shape;
   int layer = 0;
-  uint64_t seed = 0;
   c10::Device device = c10::Device(c10::kCPU);
-  c10::ScalarType expert_dtype = c10::kFloat;
 };
 
 struct MoEOutput {
@@ -52,13 +53,13 @@ class LocalMoE {
   std::vector<std::unique_ptr<expert::ExpertGroup>> groups_;
 };
 
+// OK when the experts' N and M are the routing config's; else
+// InvalidArgument naming both ("<who>: the experts have N=8, M=4; ...").
+absl::Status CheckExpertsMatchRouting(const v1::ExpertShape& shape, const RoutingConfig& routing,
+                                      absl::string_view who);
+
 // Seed of layer `layer`'s gate, shared by LocalMoE and the router service.
 uint64_t RouterSeedFor(uint64_t seed, int layer);
-
-// Builds the options of group g of a LocalMoE, so that a remote expert
-// service can construct exactly the same group.
-expert::ExpertGroupOptions GroupOptionsFor(const LocalMoEOptions& options,
-                                           int group_id);
 
 }  // namespace himoe::router
 

@@ -2,98 +2,68 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <mutex>
 #include <utility>
 
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/expert_shape.h"
 #include "common/status_macros.h"
-#include "common/tensor_codec.h"
 #include "common/torch_runtime.h"
+#include "expert_service/expert_rows.h"
 
 namespace himoe::router {
-namespace {
 
 // One Forward message: a contiguous slice of a group's dispatch rows.
-struct ChunkCall {
+struct RemoteMoE::ChunkCall {
   int group = 0;
   v1::ExpertForwardRequest request;
   v1::ExpertForwardResponse response;
   absl::Status status;
 };
 
-}  // namespace
-
-absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>& experts,
-                              int64_t begin, int64_t end,
-                              google::protobuf::RepeatedPtrField<v1::ExpertRows>* out) {
-  int64_t run = begin;
-  for (int64_t i = begin + 1; i <= end; ++i) {
-    if (i < end && experts[i] == experts[run]) continue;
-    v1::ExpertRows* er = out->Add();
-    er->set_expert_id(static_cast<int32_t>(experts[run]));
-    RETURN_IF_ERROR(EncodeTensor(rows.slice(0, run, i), er->mutable_rows()));
-    run = i;
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<at::Tensor> ConcatExpertRows(
-    const google::protobuf::RepeatedPtrField<v1::ExpertRows>& parts,
-    const google::protobuf::RepeatedPtrField<v1::ExpertRows>& expected, int64_t d_model,
-    absl::string_view what) {
-  if (parts.size() != expected.size()) {
-    return absl::InternalError(absl::StrCat(what, ": ", parts.size(), " row blocks for ",
-                                            expected.size(), " sent"));
-  }
-  std::vector<at::Tensor> pieces;
-  for (int i = 0; i < parts.size(); ++i) {
-    ASSIGN_OR_RETURN(at::Tensor y, DecodeTensor(parts.Get(i).rows(), what));
-    if (y.dim() != 2 || y.size(0) != expected.Get(i).rows().shape(0) || y.size(1) != d_model) {
-      return absl::InternalError(absl::StrCat(what, ": block ", i, " has the wrong shape"));
-    }
-    pieces.push_back(std::move(y));
-  }
-  at::Tensor out;
-  RETURN_IF_ERROR(CatchTorchErrors([&] {
-    out = pieces.empty() ? at::zeros({0, d_model}) : at::cat(pieces).to(at::kFloat);
-    return absl::OkStatus();
-  }));
-  return out;
-}
-
-absl::StatusOr<std::unique_ptr<RemoteMoE>> RemoteMoE::Create(
-    const RemoteMoEOptions& options) {
-  RETURN_IF_ERROR(ValidateRoutingConfig(options.routing));
-  if (static_cast<int>(options.groups.size()) != options.routing.num_groups) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "router: ", options.groups.size(), " group addresses given, num_groups is ",
-        options.routing.num_groups));
+absl::StatusOr<std::unique_ptr<RemoteMoE>> RemoteMoE::Create(const RemoteMoEOptions& options) {
+  HIMOE_RETURN_IF_ERROR(ValidateRoutingConfig(options.routing));
+  HIMOE_RETURN_IF_ERROR(ValidateExpertShape(options.shape));
+  const v1::ExpertShape& shape = options.shape;
+  HIMOE_RETURN_IF_ERROR(CheckExpertsMatchRouting(shape, options.routing, "router"));
+  if (static_cast<int>(options.groups.size()) != shape.num_groups()) {
+    return absl::InvalidArgumentError(absl::StrCat("router: ", options.groups.size(),
+                                                   " group addresses given, num_groups is ",
+                                                   shape.num_groups()));
   }
   if (options.wire_dtype != c10::kFloat && options.wire_dtype != c10::kBFloat16) {
     return absl::InvalidArgumentError("router: wire dtype must be float32 or bfloat16");
   }
-  if (options.num_layers < 1 || options.chunk_bytes < 1) {
-    return absl::InvalidArgumentError("router: num_layers and chunk_bytes must be >= 1");
+  if (options.chunk_bytes < 1) {
+    return absl::InvalidArgumentError("router: chunk_bytes must be >= 1");
   }
   std::unique_ptr<RemoteMoE> moe(new RemoteMoE(options));
-  for (int layer = 0; layer < options.num_layers; ++layer) {
+  for (int layer = 0; layer < shape.num_layers(); ++layer) {
     RouterLayerOptions ro;
     ro.config = options.routing;
-    ro.d_model = options.d_model;
-    ro.seed = RouterSeedFor(options.seed, layer);
-    ASSIGN_OR_RETURN(auto router, RouterLayer::Create(ro));
+    ro.d_model = shape.d_model();
+    ro.seed = RouterSeedFor(shape.seed(), layer);
+    HIMOE_ASSIGN_OR_RETURN(auto router, RouterLayer::Create(ro));
     moe->routers_.push_back(std::move(router));
   }
-  for (int g = 0; g < options.routing.num_groups; ++g) {
-    GroupClientOptions go = options.groups[g];
+  for (int g = 0; g < shape.num_groups(); ++g) {
+    expert::ExpertGroupClientOptions go = options.groups[g];
     go.group_id = g;
-    ASSIGN_OR_RETURN(auto client, GroupClient::Create(go));
+    HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(go));
     moe->groups_.push_back(std::move(client));
   }
   return moe;
+}
+
+absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x,
+                                             const model::MoECall& call) {
+  if (call.training) {
+    return absl::FailedPreconditionError(
+        "RemoteMoE serves inference only; training goes through the trainer's expert backend");
+  }
+  return Forward(layer, x);
 }
 
 absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x) {
@@ -102,16 +72,27 @@ absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x) {
         "layer: ", layer, " is not served; layers are [0, ", num_layers(), ")"));
   }
   MoEOutput out;
-  ASSIGN_OR_RETURN(out.routing, routers_[layer]->Route(x, /*training=*/false));
+  HIMOE_ASSIGN_OR_RETURN(out.routing, routers_[layer]->Route(x, /*training=*/false));
   if (observer_ != nullptr) observer_->OnRouted(layer, out.routing.stats);
-  const uint64_t request_id = next_request_id_.fetch_add(1);
+  HIMOE_ASSIGN_OR_RETURN(ChunkCalls calls, BuildCalls(layer, x, out.routing));
+  HIMOE_RETURN_IF_ERROR(SendAll(calls, out.routing));
+  HIMOE_ASSIGN_OR_RETURN(const std::vector<at::Tensor> outputs, GroupOutputs(calls));
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    out.output = CombineGroupOutputs(x.size(0), x.size(1), out.routing.groups, outputs);
+    return absl::OkStatus();
+  }));
+  return out;
+}
 
-  std::vector<std::unique_ptr<ChunkCall>> calls;
-  RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
-    const int64_t row_bytes = options_.d_model * c10::elementSize(options_.wire_dtype);
+absl::StatusOr<RemoteMoE::ChunkCalls> RemoteMoE::BuildCalls(int layer, const at::Tensor& x,
+                                                            const RoutingOutput& routing) {
+  const uint64_t request_id = next_request_id_.fetch_add(1);
+  ChunkCalls calls;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+    const int64_t row_bytes = options_.shape.d_model() * c10::elementSize(options_.wire_dtype);
     const int64_t rows_per_chunk = std::max<int64_t>(1, options_.chunk_bytes / row_bytes);
-    for (size_t g = 0; g < out.routing.groups.size(); ++g) {
-      const GroupDispatch& d = out.routing.groups[g];
+    for (size_t g = 0; g < routing.groups.size(); ++g) {
+      const GroupDispatch& d = routing.groups[g];
       const int64_t n = d.token_rows.numel();
       if (n == 0) continue;
       const at::Tensor rows =
@@ -123,63 +104,88 @@ absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x) {
         call->group = static_cast<int>(g);
         call->request.set_layer(layer);
         call->request.set_request_id(request_id);
-        RETURN_IF_ERROR(AppendExpertRuns(rows, experts, begin,
-                                         std::min(n, begin + rows_per_chunk),
-                                         call->request.mutable_inputs()));
+        HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(rows, experts, begin,
+                                                       std::min(n, begin + rows_per_chunk),
+                                                       call->request.mutable_inputs()));
         calls.push_back(std::move(call));
       }
     }
     return absl::OkStatus();
   }));
+  return calls;
+}
 
-  // Every chunk of every group in flight at once.
+absl::Status RemoteMoE::SendAll(ChunkCalls& calls, const RoutingOutput& routing) {
   using Clock = std::chrono::steady_clock;
   std::mutex mu;
-  std::condition_variable cv;
-  size_t pending = calls.size();
   const Clock::time_point start = Clock::now();
   std::vector<Clock::time_point> group_done(groups_.size(), start);
-  for (auto& call : calls) {
-    ChunkCall* c = call.get();
-    groups_[c->group]->ForwardAsync(&c->request, &c->response, [&, c](absl::Status s) {
-      std::lock_guard<std::mutex> lock(mu);
-      c->status = std::move(s);
-      group_done[c->group] = std::max(group_done[c->group], Clock::now());
-      if (--pending == 0) cv.notify_one();
-    });
-  }
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return pending == 0; });
-  }
+  expert::FanOut(calls.size(), [&](size_t i, expert::ExpertGroupClient::Done done) {
+    ChunkCall* c = calls[i].get();
+    groups_[c->group]->ForwardAsync(
+        &c->request, &c->response, [&, c, done = std::move(done)](absl::Status s) {
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            group_done[c->group] = std::max(group_done[c->group], Clock::now());
+          }
+          c->status = s;
+          done(std::move(s));
+        });
+  }).IgnoreError();  // each call's status is checked below, in call order
   if (observer_ != nullptr) {
     for (size_t g = 0; g < groups_.size(); ++g) {
-      const int64_t rows = out.routing.groups[g].token_rows.numel();
+      const int64_t rows = routing.groups[g].token_rows.numel();
       if (rows == 0) continue;
       observer_->OnGroupDispatch(
           static_cast<int>(g), std::chrono::duration<double>(group_done[g] - start).count(),
           rows);
     }
   }
+  for (const auto& call : calls) HIMOE_RETURN_IF_ERROR(call->status);
+  return absl::OkStatus();
+}
 
+absl::StatusOr<std::vector<at::Tensor>> RemoteMoE::GroupOutputs(const ChunkCalls& calls) {
   std::vector<std::vector<at::Tensor>> pieces(groups_.size());
   for (const auto& call : calls) {
-    RETURN_IF_ERROR(call->status);
-    ASSIGN_OR_RETURN(at::Tensor y,
-                     ConcatExpertRows(call->response.outputs(), call->request.inputs(),
-                                      options_.d_model,
-                                      absl::StrCat("expert group ", call->group, " outputs")));
+    HIMOE_ASSIGN_OR_RETURN(
+        at::Tensor y,
+        expert::ConcatExpertRows(call->response.outputs(), call->request.inputs(),
+                                 options_.shape.d_model(),
+                                 absl::StrCat("expert group ", call->group, " outputs")));
     pieces[call->group].push_back(std::move(y));
   }
   std::vector<at::Tensor> outputs(groups_.size());
-  RETURN_IF_ERROR(CatchTorchErrors([&] {
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     for (size_t g = 0; g < groups_.size(); ++g) {
       if (!pieces[g].empty()) outputs[g] = at::cat(pieces[g]);
     }
-    out.output = CombineGroupOutputs(x.size(0), x.size(1), out.routing.groups, outputs);
     return absl::OkStatus();
   }));
-  return out;
+  return outputs;
+}
+
+absl::Status RemoteMoE::VerifyGroups(std::chrono::milliseconds timeout) {
+  for (int g = 0; g < num_groups(); ++g) {
+    for (const std::string& address : options_.groups[g].addresses) {
+      expert::ExpertGroupClientOptions o = options_.groups[g];
+      o.group_id = g;
+      o.addresses = {address};
+      o.deadline = std::min(o.deadline, timeout);
+      HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(o));
+      const absl::Status s = client->CheckInfo(options_.shape);
+      if (absl::IsFailedPrecondition(s)) return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RemoteMoE::LoadExpertState(int group, const std::vector<NamedTensor>& state) {
+  if (group < 0 || group >= num_groups()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group: ", group, " is outside [0, ", num_groups(), ")"));
+  }
+  return groups_[group]->SetState(state);
 }
 
 }  // namespace himoe::router

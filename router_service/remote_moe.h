@@ -2,41 +2,37 @@
 #define HIMOE_ROUTER_SERVICE_REMOTE_MOE_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
-#include "router_service/group_client.h"
+#include "expert_service/expert_client.h"
+#include "himoe/v1/model.pb.h"
+#include "model/moe_layers.h"
 #include "router_service/local_moe.h"
 #include "router_service/router_layer.h"
-#include "router_service/router_metrics.h"
 
 namespace himoe::router {
 
-// Appends rows [begin, end) of a group's expert-sorted rows to `out`, one
-// ExpertRows per run of equal expert ids (`experts` is on the CPU).
-absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>& experts,
-                              int64_t begin, int64_t end,
-                              google::protobuf::RepeatedPtrField<v1::ExpertRows>* out);
-
-// Concatenates the rows of `parts` into one [n, d_model] tensor, checking
-// that part i has as many rows as `expected[i]`.
-absl::StatusOr<at::Tensor> ConcatExpertRows(
-    const google::protobuf::RepeatedPtrField<v1::ExpertRows>& parts,
-    const google::protobuf::RepeatedPtrField<v1::ExpertRows>& expected, int64_t d_model,
-    absl::string_view what);
+// Receives what one RemoteMoE forward did; implemented by RouterMetrics.
+class ForwardObserver {
+ public:
+  virtual ~ForwardObserver() = default;
+  virtual void OnRouted(int layer, const RoutingStats& stats) = 0;
+  virtual void OnGroupDispatch(int group, double seconds, int64_t rows) = 0;
+};
 
 struct RemoteMoEOptions {
   RoutingConfig routing;
-  int64_t d_model = 0;
-  int num_layers = 1;
-  uint64_t seed = 0;                      // gate seeds, as LocalMoE's
-  std::vector<GroupClientOptions> groups;  // one per group, in group order
-  c10::ScalarType wire_dtype = c10::kFloat;  // kFloat or kBFloat16
+  // The served experts: N and M must match `routing`; d_model, num_layers and
+  // the seed (of the gates, as LocalMoE's) come from here.
+  v1::ExpertShape shape;
+  std::vector<expert::ExpertGroupClientOptions> groups;  // one per group, in order
+  c10::ScalarType wire_dtype = c10::kFloat;               // kFloat or kBFloat16
   // Rows go out in Forward messages of at most about this many bytes, all in
   // flight at once: loopback gRPC slows down sharply for multi-MiB messages.
   int64_t chunk_bytes = 1 << 20;
@@ -44,27 +40,48 @@ struct RemoteMoEOptions {
 
 // MoE layers whose experts live on remote expert-group services: routes
 // locally, sends every group's rows concurrently, combines. Serving only
-// (eval mode: the EMA is never updated).
-class RemoteMoE {
+// (eval mode: the EMA is never updated); a training call is refused.
+class RemoteMoE final : public model::MoELayers {
  public:
-  static absl::StatusOr<std::unique_ptr<RemoteMoE>> Create(
-      const RemoteMoEOptions& options);
+  static absl::StatusOr<std::unique_ptr<RemoteMoE>> Create(const RemoteMoEOptions& options);
 
   absl::StatusOr<MoEOutput> Forward(int layer, const at::Tensor& x);
 
-  RouterLayer& router(int layer) { return *routers_.at(layer); }
-  GroupClient& group(int g) { return *groups_[g]; }
-  int num_layers() const { return static_cast<int>(routers_.size()); }
+  // model::MoELayers
+  int num_layers() const override { return static_cast<int>(routers_.size()); }
+  int num_groups() const override { return static_cast<int>(groups_.size()); }
+  absl::StatusOr<MoEOutput> Forward(int layer, const at::Tensor& x,
+                                    const model::MoECall& call) override;
+  RouterLayer& router(int layer) override { return *routers_.at(layer); }
+  absl::Status LoadExpertState(int group, const std::vector<NamedTensor>& state) override;
+
+  // The Info handshake with every address of every group (replicas too), each
+  // within `timeout`: FailedPrecondition naming the address and the fields
+  // when one serves other experts (another seed, dtype, size, group). An
+  // address that does not answer is skipped: it may come up later.
+  absl::Status VerifyGroups(std::chrono::milliseconds timeout);
+
+  expert::ExpertGroupClient& group(int g) { return *groups_[g]; }
   const RemoteMoEOptions& options() const { return options_; }
   // Not owned; may be null. Set before serving.
   void set_observer(ForwardObserver* observer) { observer_ = observer; }
 
  private:
+  struct ChunkCall;
+  using ChunkCalls = std::vector<std::unique_ptr<ChunkCall>>;
+
   explicit RemoteMoE(const RemoteMoEOptions& options) : options_(options) {}
+  // Every group's dispatched rows, as Forward messages of at most chunk_bytes.
+  absl::StatusOr<ChunkCalls> BuildCalls(int layer, const at::Tensor& x,
+                                        const RoutingOutput& routing);
+  // Sends every call at once and waits for all; reports per-group latency.
+  absl::Status SendAll(ChunkCalls& calls, const RoutingOutput& routing);
+  // Each group's outputs, row-aligned with its dispatch (undefined if none).
+  absl::StatusOr<std::vector<at::Tensor>> GroupOutputs(const ChunkCalls& calls);
 
   RemoteMoEOptions options_;
   std::vector<std::unique_ptr<RouterLayer>> routers_;
-  std::vector<std::unique_ptr<GroupClient>> groups_;
+  std::vector<std::unique_ptr<expert::ExpertGroupClient>> groups_;
   std::atomic<uint64_t> next_request_id_{1};
   ForwardObserver* observer_ = nullptr;
 };

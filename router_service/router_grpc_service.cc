@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
+#include "common/host_port.h"
 #include "common/torch_runtime.h"
 #include "proto/grpc_status.h"
 
@@ -25,7 +26,7 @@ namespace himoe::router {
 
 absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
                                         int64_t d_model, int64_t max_tokens) {
-  ASSIGN_OR_RETURN(at::Tensor x, DecodeTensor(request.hidden(), "hidden"));
+  HIMOE_ASSIGN_OR_RETURN(at::Tensor x, DecodeTensor(request.hidden(), "hidden"));
   if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) {
     return absl::InvalidArgumentError(absl::StrCat(
         "hidden.dtype: expected FLOAT32 or BFLOAT16, got ", c10::toString(x.scalar_type())));
@@ -44,7 +45,7 @@ absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
                                                    " per request"));
   }
   bool finite = true;
-  RETURN_IF_ERROR(CatchTorchErrors([&] {
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     finite = at::isfinite(x).all().item<bool>();
     return absl::OkStatus();
   }));
@@ -52,13 +53,13 @@ absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
   return x;
 }
 
-absl::StatusOr<GenerateParams> DecodeGenerateRequest(const v1::GenerateRequest& request,
-                                                     const TextGenerator& generator) {
+absl::StatusOr<model::GenerateParams> DecodeGenerateRequest(
+    const v1::GenerateRequest& request, const model::TextGenerator& generator) {
   if (!request.prompt().empty() && request.prompt_tokens_size() > 0) {
     return absl::InvalidArgumentError(
         "prompt, prompt_tokens: both are set; send the prompt as bytes or as token ids");
   }
-  GenerateParams params;
+  model::GenerateParams params;
   if (!request.prompt().empty()) {
     if (!generator.byte_level()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -73,7 +74,7 @@ absl::StatusOr<GenerateParams> DecodeGenerateRequest(const v1::GenerateRequest& 
   params.temperature = request.temperature();
   params.top_k = request.top_k();
   params.seed = request.seed();
-  RETURN_IF_ERROR(ValidateGenerateParams(params, generator));
+  HIMOE_RETURN_IF_ERROR(model::ValidateGenerateParams(params, generator));
   return params;
 }
 
@@ -84,7 +85,7 @@ namespace {
 // the lock held, since gRPC may run reactions inline.
 class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
  public:
-  GenerateReactor(std::shared_ptr<TextGenerator> generator, GenerateParams params)
+  GenerateReactor(std::shared_ptr<model::TextGenerator> generator, model::GenerateParams params)
       : generator_(std::move(generator)), byte_level_(generator_->byte_level()) {
     thread_ = std::thread([this, params = std::move(params)] { Run(params); });
   }
@@ -108,7 +109,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   }
 
  private:
-  void Run(const GenerateParams& params) {
+  void Run(const model::GenerateParams& params) {
     const absl::Status status = generator_->Generate(params, [this](int64_t token) {
       if (cancelled_.load()) return false;
       v1::GenerateResponse response;
@@ -150,7 +151,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     if (action == kFinish) Finish(ToGrpcStatus(status_));
   }
 
-  const std::shared_ptr<TextGenerator> generator_;
+  const std::shared_ptr<model::TextGenerator> generator_;
   const bool byte_level_;
   std::thread thread_;
   std::atomic<bool> cancelled_{false};
@@ -195,7 +196,7 @@ grpc::ServerUnaryReactor* RouterGrpcService::Info(grpc::CallbackServerContext* c
   response->set_num_experts(c.num_experts);
   response->set_num_groups(c.num_groups);
   response->set_top_k(c.top_k);
-  response->set_d_model(moe_->options().d_model);
+  response->set_d_model(moe_->options().shape.d_model());
   for (int l = 0; l < moe_->num_layers(); ++l) response->add_layers(l);
   for (int g = 0; g < c.num_groups; ++g) {
     response->add_group_addresses(absl::StrJoin(moe_->group(g).addresses(), "|"));
@@ -226,7 +227,7 @@ grpc::ServerUnaryReactor* RouterGrpcService::RouteForward(
         "layer: ", layer, " is not served; layers are [0, ", moe_->num_layers(), ")")));
     return reactor;
   }
-  auto x = DecodeHidden(*request, moe_->options().d_model, max_tokens_);
+  auto x = DecodeHidden(*request, moe_->options().shape.d_model(), max_tokens_);
   if (!x.ok()) {
     finish(x.status());
     return reactor;
@@ -249,14 +250,16 @@ grpc::ServerUnaryReactor* RouterGrpcService::RouteForward(
 
 absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(
     const RouterServerOptions& options) {
+  HIMOE_RETURN_IF_ERROR(ParseHostPort("address", options.address).status());
   std::unique_ptr<RouterServer> server(new RouterServer());
-  ASSIGN_OR_RETURN(server->moe_, RemoteMoE::Create(options.moe));
+  HIMOE_ASSIGN_OR_RETURN(server->moe_, RemoteMoE::Create(options.moe));
   RemoteMoE* moe = server->moe_.get();
+  if (options.verify_groups) HIMOE_RETURN_IF_ERROR(moe->VerifyGroups(options.verify_timeout));
   BatcherOptions batching = options.batching;
   if (options.registry != nullptr) {
     RouterMetricsOptions mo;
-    mo.num_layers = options.moe.num_layers;
-    mo.num_groups = options.moe.routing.num_groups;
+    mo.num_layers = moe->num_layers();
+    mo.num_groups = moe->num_groups();
     mo.num_experts = options.moe.routing.num_experts;
     mo.window_batches = options.metrics_window_batches;
     server->metrics_ = std::make_unique<RouterMetrics>(mo, *options.registry);
@@ -269,25 +272,34 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(
   server->batcher_ = std::make_unique<Batcher>(
       batching, [moe](int layer, const at::Tensor& x) -> absl::StatusOr<LayerResult> {
         at::NoGradGuard no_grad;
-        ASSIGN_OR_RETURN(MoEOutput out, moe->Forward(layer, x));
+        HIMOE_ASSIGN_OR_RETURN(MoEOutput out, moe->Forward(layer, x));
         return LayerResult{out.output, out.routing.expert_ids,
                            out.routing.weights.detach().to(at::kFloat)};
       });
+  server->batched_moe_ = std::make_unique<BatchedMoE>(moe, server->batcher_.get());
+  if (options.make_generator) {
+    HIMOE_ASSIGN_OR_RETURN(server->generator_, options.make_generator(*server->batched_moe_));
+  }
   server->service_ = std::make_unique<RouterGrpcService>(
       moe, server->batcher_.get(), server->metrics_.get(), options.max_tokens_per_request,
-      options.generator);
+      server->generator_);
+  HIMOE_RETURN_IF_ERROR(server->Listen(options));
+  return server;
+}
+
+absl::Status RouterServer::Listen(const RouterServerOptions& options) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &server->port_);
+  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
-  builder.RegisterService(server->service_.get());
-  server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr || server->port_ == 0) {
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
     return absl::UnavailableError(absl::StrCat("router: cannot listen on ", options.address));
   }
-  return server;
+  return absl::OkStatus();
 }
 
 void RouterServer::Shutdown() {
@@ -298,6 +310,7 @@ void RouterServer::Shutdown() {
 
 RouterServer::~RouterServer() {
   Shutdown();
+  if (server_ != nullptr) server_->Wait();
   batcher_.reset();  // drains before the MoE goes away
 }
 

@@ -1,6 +1,8 @@
 #ifndef HIMOE_ROUTER_SERVICE_ROUTER_GRPC_SERVICE_H_
 #define HIMOE_ROUTER_SERVICE_ROUTER_GRPC_SERVICE_H_
 
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -9,10 +11,12 @@
 
 #include "absl/status/statusor.h"
 #include "himoe/v1/router.grpc.pb.h"
+#include "model/moe_layers.h"
+#include "model/text_generator.h"
+#include "router_service/batched_moe.h"
 #include "router_service/batcher.h"
 #include "router_service/remote_moe.h"
 #include "router_service/router_metrics.h"
-#include "router_service/text_generator.h"
 
 namespace himoe::router {
 
@@ -25,8 +29,15 @@ struct RouterServerOptions {
   // Where the router's metrics go; null = no metrics.
   prometheus::Registry* registry = nullptr;
   int metrics_window_batches = 64;
-  // Serves Generate when set; without it Generate is FAILED_PRECONDITION.
-  std::shared_ptr<TextGenerator> generator;
+  // At start, refuse groups that serve other experts (RemoteMoE::VerifyGroups).
+  bool verify_groups = true;
+  std::chrono::milliseconds verify_timeout{2000};
+  // Serves Generate when set: called once the RemoteMoE and the batcher exist,
+  // before the port opens, with the router's own (batched) MoE layers, which
+  // the language model it returns must use. Without it Generate is
+  // FAILED_PRECONDITION.
+  std::function<absl::StatusOr<std::shared_ptr<model::TextGenerator>>(model::MoELayers&)>
+      make_generator;
 };
 
 // The RouterService adapter: decode and validate, batch, route and dispatch
@@ -34,7 +45,8 @@ struct RouterServerOptions {
 class RouterGrpcService final : public v1::RouterService::CallbackService {
  public:
   RouterGrpcService(RemoteMoE* moe, Batcher* batcher, RouterMetrics* metrics,
-                    int64_t max_tokens, std::shared_ptr<TextGenerator> generator = nullptr)
+                    int64_t max_tokens,
+                    std::shared_ptr<model::TextGenerator> generator = nullptr)
       : moe_(moe),
         batcher_(batcher),
         metrics_(metrics),
@@ -55,11 +67,11 @@ class RouterGrpcService final : public v1::RouterService::CallbackService {
   Batcher* batcher_;
   RouterMetrics* metrics_;  // may be null
   int64_t max_tokens_;
-  std::shared_ptr<TextGenerator> generator_;  // may be null
+  std::shared_ptr<model::TextGenerator> generator_;  // may be null
 };
 
-// A running router: RemoteMoE + batcher + gRPC server with health and
-// reflection.
+// A running router: RemoteMoE + batcher (+ the LM served by Generate) + gRPC
+// server with health and reflection.
 class RouterServer {
  public:
   static absl::StatusOr<std::unique_ptr<RouterServer>> Start(
@@ -69,15 +81,22 @@ class RouterServer {
   int port() const { return port_; }
   RemoteMoE& moe() { return *moe_; }
   Batcher& batcher() { return *batcher_; }
+  // The MoE layers Generate's LM runs on: the batcher, then RemoteMoE.
+  model::MoELayers& moe_layers() { return *batched_moe_; }
+  // Null without options.make_generator.
+  model::TextGenerator* generator() { return generator_.get(); }
   void Shutdown();
   void Wait() { server_->Wait(); }
 
  private:
   RouterServer() = default;
+  absl::Status Listen(const RouterServerOptions& options);
 
   std::unique_ptr<RouterMetrics> metrics_;
   std::unique_ptr<RemoteMoE> moe_;
   std::unique_ptr<Batcher> batcher_;
+  std::unique_ptr<BatchedMoE> batched_moe_;
+  std::shared_ptr<model::TextGenerator> generator_;
   std::unique_ptr<RouterGrpcService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
@@ -89,8 +108,8 @@ absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
                                         int64_t d_model, int64_t max_tokens);
 
 // A Generate request as GenerateParams, validated against `generator`.
-absl::StatusOr<GenerateParams> DecodeGenerateRequest(const v1::GenerateRequest& request,
-                                                     const TextGenerator& generator);
+absl::StatusOr<model::GenerateParams> DecodeGenerateRequest(
+    const v1::GenerateRequest& request, const model::TextGenerator& generator);
 
 }  // namespace himoe::router
 

@@ -59,13 +59,13 @@ RouterLayer::RouterLayer(const RoutingConfig& config, int64_t d_model,
 
 absl::StatusOr<std::unique_ptr<RouterLayer>> RouterLayer::Create(
     const RouterLayerOptions& options) {
-  RETURN_IF_ERROR(ValidateRoutingConfig(options.config));
+  HIMOE_RETURN_IF_ERROR(ValidateRoutingConfig(options.config));
   if (options.d_model < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("router: d_model must be >= 1, got ", options.d_model));
   }
   std::unique_ptr<RouterLayer> layer;
-  RETURN_IF_ERROR(CatchTorchErrors([&] {
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(options.seed);
     // nanoGPT-style N(0, 0.02) init.
     at::Tensor gate = at::normal(0.0, 0.02, {options.config.num_experts, options.d_model},
@@ -86,7 +86,7 @@ absl::StatusOr<RoutingOutput> RouterLayer::Route(const at::Tensor& x,
         absl::StrJoin(x.sizes(), ", "), "]"));
   }
   at::Tensor logits;
-  RETURN_IF_ERROR(CatchTorchErrors([&] {
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     logits = RouterLogits(x, gate_weight_);
     return absl::OkStatus();
   }));
@@ -102,7 +102,7 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
         absl::StrJoin(logits.sizes(), ", "), "]"));
   }
   RoutingOutput out;
-  RETURN_IF_ERROR(CatchTorchErrors([&] {
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     // fp32 at least; double input stays double (used by gradient checks).
     const at::Tensor g =
         logits.scalar_type() == at::kDouble ? logits : logits.to(at::kFloat);

@@ -1,24 +1,27 @@
 // himoe-router: grouped top-K routing in front of the expert-group services.
-#include <atomic>
 #include <chrono>
-#include <csignal>
-#include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
-#include <thread>
 
 #include <glog/logging.h>
-#include <prometheus/exposer.h>
 #include <prometheus/registry.h>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/cluster_config.h"
+#include "common/expert_shape.h"
+#include "common/file_util.h"
+#include "common/host_port.h"
+#include "common/metrics_endpoint.h"
+#include "common/program.h"
+#include "common/signals.h"
+#include "common/status_macros.h"
 #include "common/torch_runtime.h"
+#include "model/checkpoint_reader.h"
+#include "model/generator.h"
+#include "model/model_config.h"
 #include "router_service/router_grpc_service.h"
-#include "trainer/generator.h"
 
 ABSL_FLAG(std::string, cluster, "", "Cluster file (protobuf text format; see deploy/local)");
 ABSL_FLAG(std::string, address, "",
@@ -37,105 +40,120 @@ ABSL_FLAG(bool, load_expert_state, true,
           "With --checkpoint: push the checkpoint's expert weights to the groups at start");
 ABSL_FLAG(int, max_new_tokens, 4096, "Most tokens one Generate request may ask for");
 
+namespace himoe::router {
 namespace {
 
-std::atomic<bool> g_stop{false};
-void OnSignal(int) { g_stop.store(true); }
+constexpr char kUsage[] =
+    "Routes tokens to the expert groups of a cluster file (RouteForward) and, with "
+    "--checkpoint, samples from a trained LM through them (Generate).\n"
+    "  himoe-router --cluster=deploy/local/cluster.textproto [--checkpoint=runs/main/checkpoints]";
 
-int Fail(const absl::Status& status) {
-  LOG(ERROR) << status;
-  return 1;
-}
-
-}  // namespace
-
-int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
-  google::InitGoogleLogging(argv[0]);
-  FLAGS_logtostderr = true;
-  using namespace himoe;
-  if (auto s = ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)); !s.ok()) return Fail(s);
-  if (absl::GetFlag(FLAGS_cluster).empty()) {
-    return Fail(absl::InvalidArgumentError("--cluster is required"));
-  }
-  auto cluster = LoadClusterConfig(absl::GetFlag(FLAGS_cluster));
-  if (!cluster.ok()) return Fail(cluster.status());
-  auto routing = router::RoutingConfigFromCluster(*cluster);
-  if (!routing.ok()) return Fail(routing.status());
-
-  router::RouterServerOptions o;
-  o.moe.routing = *routing;
-  o.moe.d_model = cluster->model().d_model();
-  o.moe.num_layers = cluster->model().num_layers();
-  o.moe.seed = cluster->model().seed();
-  o.moe.wire_dtype = cluster->router().wire_dtype() == "bfloat16" ? c10::kBFloat16 : c10::kFloat;
-  o.moe.chunk_bytes = cluster->router().chunk_bytes();
-  for (const auto& g : cluster->groups()) {
-    router::GroupClientOptions go;
+absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& cluster) {
+  RouterServerOptions o;
+  HIMOE_ASSIGN_OR_RETURN(o.moe.routing, model::RoutingConfigFromCluster(cluster));
+  o.moe.shape = ExpertShapeFromCluster(cluster);
+  o.moe.wire_dtype = cluster.router().wire_dtype() == "bfloat16" ? c10::kBFloat16 : c10::kFloat;
+  o.moe.chunk_bytes = cluster.router().chunk_bytes();
+  for (const auto& g : cluster.groups()) {
+    expert::ExpertGroupClientOptions go;
     go.addresses.push_back(g.address());
     go.addresses.insert(go.addresses.end(), g.replicas().begin(), g.replicas().end());
-    go.deadline = std::chrono::milliseconds(cluster->router().deadline_ms());
+    go.deadline = std::chrono::milliseconds(cluster.router().deadline_ms());
     go.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
     o.moe.groups.push_back(go);
   }
-  o.batching.max_batch_tokens = cluster->router().max_batch_tokens();
-  o.batching.max_queue_delay = std::chrono::microseconds(cluster->router().max_queue_delay_us());
-  o.max_tokens_per_request = cluster->router().max_tokens_per_request();
+  o.batching.max_batch_tokens = cluster.router().max_batch_tokens();
+  o.batching.max_queue_delay = std::chrono::microseconds(cluster.router().max_queue_delay_us());
+  o.max_tokens_per_request = cluster.router().max_tokens_per_request();
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  o.address = absl::GetFlag(FLAGS_address).empty() ? cluster->router().address()
+  o.address = absl::GetFlag(FLAGS_address).empty() ? cluster.router().address()
                                                     : absl::GetFlag(FLAGS_address);
   if (o.address.empty()) o.address = "0.0.0.0:50050";
+  HIMOE_RETURN_IF_ERROR(
+      ParseHostPort(absl::GetFlag(FLAGS_address).empty() ? "router.address" : "--address",
+                    o.address)
+          .status());
+  return o;
+}
+
+// Serving a checkpoint: its routers and routing settings replace the cluster
+// file's, and Generate samples from its LM on the router's own MoE layers.
+// The cluster's experts must have the model's shape (the seed may differ when
+// the checkpoint's expert weights are pushed to them).
+absl::Status ServeCheckpoint(const v1::ClusterConfig& cluster,
+                             std::shared_ptr<const model::CheckpointContents> contents,
+                             RouterServerOptions* o) {
+  v1::ExpertShape trained = model::ExpertShapeFor(contents->model);
+  const v1::ExpertShape served = ExpertShapeFromCluster(cluster);
+  if (absl::GetFlag(FLAGS_load_expert_state)) trained.set_seed(served.seed());
+  HIMOE_RETURN_IF_ERROR(CheckExpertShape(
+      trained, served,
+      absl::StrCat("--cluster ", absl::GetFlag(FLAGS_cluster), " (model section)")));
+  o->moe.routing = contents->model.routing;
+  model::GeneratorOptions go;
+  go.max_new_tokens_limit = absl::GetFlag(FLAGS_max_new_tokens);
+  go.load_expert_state = absl::GetFlag(FLAGS_load_expert_state);
+  o->make_generator = [contents, go](model::MoELayers& moe)
+      -> absl::StatusOr<std::shared_ptr<model::TextGenerator>> {
+    HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<model::Generator> generator,
+                           model::Generator::Create(*contents, &moe, go));
+    LOG(INFO) << "Generate: serving " << contents->dir << " (step " << contents->step
+              << ", vocab " << generator->vocab_size() << ")";
+    return std::shared_ptr<model::TextGenerator>(std::move(generator));
+  };
+  return absl::OkStatus();
+}
+
+absl::Status Run() {
+  HIMOE_RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
+  if (absl::GetFlag(FLAGS_cluster).empty()) {
+    return absl::InvalidArgumentError("--cluster is required (see --help)");
+  }
+  HIMOE_ASSIGN_OR_RETURN(const v1::ClusterConfig cluster,
+                         LoadClusterConfig(absl::GetFlag(FLAGS_cluster)));
+  HIMOE_ASSIGN_OR_RETURN(RouterServerOptions o, OptionsFromCluster(cluster));
+  if (const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint); !checkpoint.empty()) {
+    HIMOE_ASSIGN_OR_RETURN(model::CheckpointContents contents, model::ReadCheckpoint(checkpoint));
+    HIMOE_RETURN_IF_ERROR(ServeCheckpoint(
+        cluster, std::make_shared<const model::CheckpointContents>(std::move(contents)), &o));
+  }
 
   const int metrics_port = absl::GetFlag(FLAGS_metrics_port) >= 0
                                ? absl::GetFlag(FLAGS_metrics_port)
-                               : cluster->router().metrics_port();
+                               : cluster.router().metrics_port();
+  HIMOE_ASSIGN_OR_RETURN(
+      std::unique_ptr<prometheus::Exposer> exposer,
+      StartMetricsEndpoint("--metrics_port", absl::GetFlag(FLAGS_metrics_address), metrics_port));
   auto registry = std::make_shared<prometheus::Registry>();
-  std::unique_ptr<prometheus::Exposer> exposer;
-  int bound_metrics_port = 0;
-  try {
-    exposer = std::make_unique<prometheus::Exposer>(
-        absl::StrCat(absl::GetFlag(FLAGS_metrics_address), ":", metrics_port));
-  } catch (const std::exception& e) {
-    return Fail(absl::UnavailableError(
-        absl::StrCat("cannot open the metrics port ", metrics_port, ": ", e.what())));
-  }
   exposer->RegisterCollectable(registry);
-  bound_metrics_port = exposer->GetListeningPorts().front();
   o.registry = registry.get();
 
-  std::shared_ptr<trainer::Generator> generator;
-  if (const std::string checkpoint = absl::GetFlag(FLAGS_checkpoint); !checkpoint.empty()) {
-    trainer::GeneratorOptions go;
-    go.checkpoint = checkpoint;
-    for (const auto& g : cluster->groups()) go.expert_addresses.push_back(g.address());
-    go.load_expert_state = absl::GetFlag(FLAGS_load_expert_state);
-    go.max_new_tokens_limit = absl::GetFlag(FLAGS_max_new_tokens);
-    go.deadline = std::chrono::milliseconds(cluster->router().deadline_ms());
-    auto created = trainer::Generator::Create(go);
-    if (!created.ok()) return Fail(created.status());
-    generator = std::move(created).value();
-    LOG(INFO) << "Generate: serving " << generator->checkpoint_dir() << " (step "
-              << generator->checkpoint_step() << ", vocab " << generator->vocab_size() << ")";
-    // RouteForward routes as the trained model does.
-    o.moe.routing = generator->model_options().routing;
-    o.generator = generator;
-  }
-
-  auto server = router::RouterServer::Start(o);
-  if (!server.ok()) return Fail(server.status());
-  if (generator != nullptr) {
-    if (auto s = generator->CopyRoutersTo((*server)->moe()); !s.ok()) return Fail(s);
-  }
-  LOG(INFO) << "himoe-router serving on port " << (*server)->port() << " (metrics on "
-            << bound_metrics_port << "), " << router::RoutingConfigDebugString(o.moe.routing);
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<RouterServer> server, RouterServer::Start(o));
+  LOG(INFO) << "himoe-router serving on port " << server->port() << " (metrics on "
+            << MetricsPort(*exposer) << "), " << RoutingConfigDebugString(o.moe.routing);
   if (const std::string f = absl::GetFlag(FLAGS_port_file); !f.empty()) {
-    std::ofstream(f + ".tmp") << (*server)->port() << " " << bound_metrics_port << "\n";
-    std::rename((f + ".tmp").c_str(), f.c_str());
+    HIMOE_RETURN_IF_ERROR(
+        WriteFileAtomically(f, absl::StrCat(server->port(), " ", MetricsPort(*exposer), "\n")));
   }
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
-  while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  while (WaitForStopSignal(std::chrono::milliseconds(500)) == 0) {
+  }
   LOG(INFO) << "himoe-router shutting down";
-  (*server)->Shutdown();
+  server->Shutdown();
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace himoe::router
+
+int main(int argc, char** argv) {
+  himoe::BlockStopSignals();  // before any thread starts: they inherit the mask
+  himoe::ParseCommandLine(argc, argv, himoe::router::kUsage);
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+  const absl::Status status = himoe::router::Run();
+  if (!status.ok()) {
+    LOG(ERROR) << "himoe-router: " << status;
+    return 1;
+  }
   return 0;
 }

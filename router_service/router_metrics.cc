@@ -1,19 +1,15 @@
 #include "router_service/router_metrics.h"
 
-#include <iterator>
 #include <string>
 
+#include "absl/status/status.h"
 #include "router_service/routing_math.h"
 
 namespace himoe::router {
 namespace {
 
-// grpc::StatusCode names, indexed by code.
-constexpr const char* kGrpcCodeNames[] = {
-    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-    "UNAUTHENTICATED"};
+// absl::StatusCode and grpc::StatusCode share 0..16 (UNAUTHENTICATED).
+constexpr int kNumStatusCodes = 17;
 
 prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   return {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
@@ -93,9 +89,10 @@ RouterMetrics::RouterMetrics(const RouterMetricsOptions& o, prometheus::Registry
                      .Name("himoe_router_errors_total")
                      .Help("Failed RouteForward calls by gRPC status code")
                      .Register(r);
-  errors_.assign(std::size(kGrpcCodeNames), nullptr);
-  for (size_t code = 1; code < std::size(kGrpcCodeNames); ++code) {
-    errors_[code] = &errors.Add({{"code", kGrpcCodeNames[code]}});
+  errors_.assign(kNumStatusCodes, nullptr);
+  for (int code = 1; code < kNumStatusCodes; ++code) {
+    errors_[code] = &errors.Add(
+        {{"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
   }
 }
 

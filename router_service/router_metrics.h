@@ -14,17 +14,10 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include "router_service/remote_moe.h"
 #include "router_service/router_layer.h"
 
 namespace himoe::router {
-
-// Receives what one RemoteMoE forward did; implemented by RouterMetrics.
-class ForwardObserver {
- public:
-  virtual ~ForwardObserver() = default;
-  virtual void OnRouted(int layer, const RoutingStats& stats) = 0;
-  virtual void OnGroupDispatch(int group, double seconds, int64_t rows) = 0;
-};
 
 struct RouterMetricsOptions {
   int num_layers = 1;

@@ -99,32 +99,6 @@ absl::Status ValidateRoutingConfig(const RoutingConfig& c) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<RoutingConfig> RoutingConfigFromCluster(const v1::ClusterConfig& cluster) {
-  RoutingConfig c;
-  const v1::ModelSpec& m = cluster.model();
-  const v1::RoutingSpec& r = cluster.routing();
-  c.num_experts = m.num_experts();
-  c.num_groups = m.num_groups();
-  c.top_k = m.top_k();
-  auto method = ParseRoutingMethod(r.method().empty() ? "himoe" : r.method());
-  if (!method.ok()) return method.status();
-  c.method = *method;
-  const absl::Status preset = ApplyPreset(r.preset().empty() ? "paper" : r.preset(), &c);
-  if (!preset.ok()) return preset;
-  if (r.has_temperature()) c.temperature = r.temperature();
-  if (r.has_tau()) c.tau = r.tau();
-  if (r.has_ema_beta()) c.ema_beta = r.ema_beta();
-  if (r.has_lambda_intra()) c.lambda_intra = r.lambda_intra();
-  if (r.has_lambda_inter()) c.lambda_inter = r.lambda_inter();
-  if (r.has_alpha()) c.alpha = r.alpha();
-  if (r.has_z_coef()) c.z_coef = r.z_coef();
-  if (r.has_capacity_factor()) c.capacity_factor = r.capacity_factor();
-  if (r.has_renormalize()) c.renormalize = r.renormalize();
-  const absl::Status valid = ValidateRoutingConfig(c);
-  if (!valid.ok()) return valid;
-  return c;
-}
-
 std::string RoutingConfigDebugString(const RoutingConfig& c) {
   return absl::StrFormat(
       "method=%s N=%d M=%d k=%d T=%g tau=%g beta=%g lambda_intra=%g "

@@ -6,7 +6,6 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "himoe/v1/cluster.pb.h"
 
 namespace himoe::router {
 
@@ -62,10 +61,6 @@ absl::Status ApplyPreset(absl::string_view preset, RoutingConfig* config);
 absl::Status ValidateRoutingConfig(const RoutingConfig& config);
 
 std::string RoutingConfigDebugString(const RoutingConfig& config);
-
-// The routing config a cluster file describes (model sizes, method, preset,
-// then the explicit overrides), validated.
-absl::StatusOr<RoutingConfig> RoutingConfigFromCluster(const v1::ClusterConfig& cluster);
 
 }  // namespace himoe::router
 

@@ -12,7 +12,7 @@ PACKAGES=(
   build-essential cmake ninja-build pkg-config git ca-certificates
   libtorch-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libabsl-dev prometheus-cpp-dev libcurl4-openssl-dev libssl-dev
+  libabsl-dev prometheus-cpp-dev libcurl4-openssl-dev libssl-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libblis4-pthread libgoogle-glog-dev libgflags-dev
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy

@@ -85,7 +85,7 @@ absl::StatusOr<int64_t> ReadAt(const fs::path& path, int64_t offset, int64_t n,
 // Reads exactly `n` bytes of `path` from `offset` into `dst`.
 absl::Status ReadExactly(const fs::path& path, int64_t offset, int64_t n,
                          char* dst) {
-  ASSIGN_OR_RETURN(const int64_t got, ReadAt(path, offset, n, dst));
+  HIMOE_ASSIGN_OR_RETURN(const int64_t got, ReadAt(path, offset, n, dst));
   if (got != n) {
     return absl::InvalidArgumentError(absl::StrCat(
         "short read of ", path.string(), " (", got, " of ", n,
@@ -117,7 +117,7 @@ absl::StatusOr<at::Tensor> LoadTokenBin(const fs::path& path) {
     return absl::NotFoundError(
         absl::StrCat("nanogpt token file not found: ", path.string()));
   }
-  ASSIGN_OR_RETURN(const int64_t size, FileSize(path));
+  HIMOE_ASSIGN_OR_RETURN(const int64_t size, FileSize(path));
   if (size % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         path.string(), ": odd byte length ", size,
@@ -130,7 +130,7 @@ absl::StatusOr<at::Tensor> LoadTokenBin(const fs::path& path) {
   std::vector<unsigned char> buf(2 * std::min(n, kChunkTokens));
   for (int64_t start = 0; start < n; start += kChunkTokens) {
     const int64_t count = std::min(kChunkTokens, n - start);
-    RETURN_IF_ERROR(ReadExactly(path, 2 * start, 2 * count,
+    HIMOE_RETURN_IF_ERROR(ReadExactly(path, 2 * start, 2 * count,
                                 reinterpret_cast<char*>(buf.data())));
     for (int64_t i = 0; i < count; ++i) {
       const int32_t id = buf[2 * i] | (static_cast<int32_t>(buf[2 * i + 1]) << 8);
@@ -179,154 +179,182 @@ absl::Status CheckWindowShape(const at::Tensor& tokens, int64_t batch_size,
   return absl::OkStatus();
 }
 
-}  // namespace
-
-std::vector<std::string> DefaultCorpusPaths() { return {kDefaultCorpusDir}; }
-
-absl::StatusOr<std::unique_ptr<Corpus>> Corpus::Create(const DataOptions& o) {
+absl::StatusOr<DataFormat> ResolveFormat(const DataOptions& o) {
   if (o.paths.empty()) {
     return absl::InvalidArgumentError("data: no paths given");
   }
-  DataFormat format;
-  if (o.format == "bytes") {
-    format = DataFormat::kBytes;
-  } else if (o.format == "nanogpt") {
-    format = DataFormat::kNanoGpt;
-  } else if (o.format == "auto") {
-    format = o.paths.size() == 1 && IsNanoGptDir(o.paths[0])
-                 ? DataFormat::kNanoGpt
-                 : DataFormat::kBytes;
-    if (format == DataFormat::kBytes && o.paths.size() > 1) {
-      for (const std::string& p : o.paths) {
-        if (IsNanoGptDir(p)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "data: ", p, " holds train.bin (nanogpt format) and must be the "
-              "only path"));
-        }
-      }
-    }
-  } else {
+  if (o.format == "bytes") return DataFormat::kBytes;
+  if (o.format == "nanogpt") return DataFormat::kNanoGpt;
+  if (o.format != "auto") {
     return absl::InvalidArgumentError(absl::StrCat(
         "data: format must be bytes, nanogpt or auto; got '", o.format, "'"));
   }
-
-  std::unique_ptr<Corpus> corpus(new Corpus());
-  corpus->format_ = format;
-  corpus->paths_ = o.paths;
-
-  if (format == DataFormat::kNanoGpt) {
-    if (o.paths.size() != 1) {
-      return absl::InvalidArgumentError(
-          "data: nanogpt format takes exactly one directory");
-    }
-    const std::string& dir = o.paths[0];
-    std::error_code ec;
-    if (!fs::exists(dir, ec)) return absl::NotFoundError(MissingPathMessage(dir));
-    if (!fs::is_directory(dir, ec)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "data: nanogpt path must be a directory with train.bin and val.bin: ",
-          dir));
-    }
-    RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
-      const fs::path train_path = fs::path(dir) / "train.bin";
-      const fs::path val_path = fs::path(dir) / "val.bin";
-      ASSIGN_OR_RETURN(corpus->train_, LoadTokenBin(train_path));
-      ASSIGN_OR_RETURN(corpus->val_, LoadTokenBin(val_path));
-      if (corpus->train_.numel() == 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("data: empty corpus: ", train_path.string(),
-                         " holds no tokens"));
+  if (o.paths.size() == 1 && IsNanoGptDir(o.paths[0])) return DataFormat::kNanoGpt;
+  if (o.paths.size() > 1) {
+    for (const std::string& p : o.paths) {
+      if (IsNanoGptDir(p)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "data: ", p, " holds train.bin (nanogpt format) and must be the "
+            "only path"));
       }
-      corpus->files_ = {train_path.string(), val_path.string()};
-      return absl::OkStatus();
-    }));
-    return corpus;
+    }
   }
+  return DataFormat::kBytes;
+}
 
-  // Bytes.
-  if (!(o.val_fraction >= 0.0 && o.val_fraction < 1.0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "data: val_fraction must be in [0, 1); got ", o.val_fraction));
+// A corpus's two splits and the files they came from.
+struct Splits {
+  at::Tensor train, val;
+  std::vector<std::string> files;
+};
+
+absl::StatusOr<Splits> LoadNanoGpt(const std::vector<std::string>& paths) {
+  if (paths.size() != 1) {
+    return absl::InvalidArgumentError(
+        "data: nanogpt format takes exactly one directory");
   }
+  const std::string& dir = paths[0];
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return absl::NotFoundError(MissingPathMessage(dir));
+  if (!fs::is_directory(dir, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data: nanogpt path must be a directory with train.bin and val.bin: ",
+        dir));
+  }
+  Splits out;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+    const fs::path train_path = fs::path(dir) / "train.bin";
+    const fs::path val_path = fs::path(dir) / "val.bin";
+    HIMOE_ASSIGN_OR_RETURN(out.train, LoadTokenBin(train_path));
+    HIMOE_ASSIGN_OR_RETURN(out.val, LoadTokenBin(val_path));
+    if (out.train.numel() == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("data: empty corpus: ", train_path.string(),
+                       " holds no tokens"));
+    }
+    out.files = {train_path.string(), val_path.string()};
+    return absl::OkStatus();
+  }));
+  return out;
+}
+
+// A text file of a bytes corpus and how many of its bytes go to val.
+struct TextFile {
+  fs::path path;
+  int64_t size;
+  int64_t val;
+};
+
+// Every file at o.paths, sorted, without duplicates; the reason a file is
+// skipped (.dat index, .u8 copy, duplicate, binary) goes to `skipped`.
+absl::StatusOr<std::vector<TextFile>> SelectTextFiles(const DataOptions& o,
+                                                      std::vector<std::string>* skipped) {
   std::vector<fs::path> candidates;
-  for (const std::string& p : o.paths) RETURN_IF_ERROR(CollectFiles(p, &candidates));
+  for (const std::string& p : o.paths) HIMOE_RETURN_IF_ERROR(CollectFiles(p, &candidates));
   std::sort(candidates.begin(), candidates.end(),
             [](const fs::path& a, const fs::path& b) {
               return a.string() < b.string();
             });
   candidates.erase(std::unique(candidates.begin(), candidates.end()),
                    candidates.end());
-
-  struct Taken {
-    fs::path path;
-    int64_t size;
-    int64_t val;  // bytes going to val
-  };
-  std::vector<Taken> taken;
+  std::vector<TextFile> taken;
   std::set<std::string> canonical_taken;
   for (const fs::path& p : candidates) {
     const std::string name = p.filename().string();
     if (absl::EndsWith(name, ".dat")) {
-      corpus->skipped_.push_back(absl::StrCat(p.string(), " (.dat index)"));
+      skipped->push_back(absl::StrCat(p.string(), " (.dat index)"));
       continue;
     }
     std::error_code ec;
     if (absl::EndsWith(name, ".u8") && name.size() > 3 &&
         fs::is_regular_file(p.parent_path() / name.substr(0, name.size() - 3),
                             ec)) {
-      corpus->skipped_.push_back(
-          absl::StrCat(p.string(), " (.u8 copy of a sibling)"));
+      skipped->push_back(absl::StrCat(p.string(), " (.u8 copy of a sibling)"));
       continue;
     }
     const fs::path canonical = fs::canonical(p, ec);
     if (!canonical_taken.insert(ec ? p.string() : canonical.string()).second) {
-      corpus->skipped_.push_back(absl::StrCat(p.string(), " (duplicate)"));
+      skipped->push_back(absl::StrCat(p.string(), " (duplicate)"));
       continue;
     }
-    ASSIGN_OR_RETURN(const int64_t size, FileSize(p));
+    HIMOE_ASSIGN_OR_RETURN(const int64_t size, FileSize(p));
     std::string head(std::min(size, kBinarySniffBytes), '\0');
-    ASSIGN_OR_RETURN(const int64_t got, ReadAt(p, 0, head.size(), head.data()));
+    HIMOE_ASSIGN_OR_RETURN(const int64_t got, ReadAt(p, 0, head.size(), head.data()));
     head.resize(got);
     if (head.find('\0') != std::string::npos) {
-      corpus->skipped_.push_back(absl::StrCat(p.string(), " (binary)"));
+      skipped->push_back(absl::StrCat(p.string(), " (binary)"));
       continue;
     }
     const int64_t val = std::min<int64_t>(
         size, std::llround(static_cast<double>(size) * o.val_fraction));
     taken.push_back({p, size, val});
   }
-  if (taken.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "data: no text files found in ", absl::StrJoin(o.paths, ", "), " (",
-        corpus->skipped_.size(), " skipped: .dat index, binary or duplicate)"));
-  }
+  return taken;
+}
+
+// The train parts of `files` concatenated in order, likewise the val parts.
+absl::StatusOr<Splits> ReadByteSplits(const std::vector<TextFile>& files,
+                                      const std::vector<std::string>& paths) {
   int64_t train_n = 0, val_n = 0;
-  for (const Taken& t : taken) {
+  for (const TextFile& t : files) {
     train_n += t.size - t.val;
     val_n += t.val;
   }
   if (train_n == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "data: empty corpus: ", taken.size(), " file(s) in ",
-        absl::StrJoin(o.paths, ", "), " hold ", train_n + val_n,
+        "data: empty corpus: ", files.size(), " file(s) in ",
+        absl::StrJoin(paths, ", "), " hold ", train_n + val_n,
         " bytes, leaving no training bytes"));
   }
-  RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
-    corpus->train_ = at::empty({train_n}, at::dtype(at::kByte));
-    corpus->val_ = at::empty({val_n}, at::dtype(at::kByte));
-    char* train_ptr = reinterpret_cast<char*>(corpus->train_.data_ptr<uint8_t>());
-    char* val_ptr = reinterpret_cast<char*>(corpus->val_.data_ptr<uint8_t>());
-    for (const Taken& t : taken) {
+  Splits out;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+    out.train = at::empty({train_n}, at::dtype(at::kByte));
+    out.val = at::empty({val_n}, at::dtype(at::kByte));
+    char* train_ptr = reinterpret_cast<char*>(out.train.data_ptr<uint8_t>());
+    char* val_ptr = reinterpret_cast<char*>(out.val.data_ptr<uint8_t>());
+    for (const TextFile& t : files) {
       const int64_t tn = t.size - t.val;
-      RETURN_IF_ERROR(ReadExactly(t.path, 0, tn, train_ptr));
-      RETURN_IF_ERROR(ReadExactly(t.path, tn, t.val, val_ptr));
+      HIMOE_RETURN_IF_ERROR(ReadExactly(t.path, 0, tn, train_ptr));
+      HIMOE_RETURN_IF_ERROR(ReadExactly(t.path, tn, t.val, val_ptr));
       train_ptr += tn;
       val_ptr += t.val;
-      corpus->files_.push_back(t.path.string());
+      out.files.push_back(t.path.string());
     }
     return absl::OkStatus();
   }));
-  VLOG(1) << corpus->Describe();
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> DefaultCorpusPaths() { return {kDefaultCorpusDir}; }
+
+absl::StatusOr<std::unique_ptr<Corpus>> Corpus::Create(const DataOptions& o) {
+  HIMOE_ASSIGN_OR_RETURN(const DataFormat format, ResolveFormat(o));
+  std::unique_ptr<Corpus> corpus(new Corpus());
+  corpus->format_ = format;
+  corpus->paths_ = o.paths;
+  Splits splits;
+  if (format == DataFormat::kNanoGpt) {
+    HIMOE_ASSIGN_OR_RETURN(splits, LoadNanoGpt(o.paths));
+  } else {
+    if (!(o.val_fraction >= 0.0 && o.val_fraction < 1.0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "data: val_fraction must be in [0, 1); got ", o.val_fraction));
+    }
+    HIMOE_ASSIGN_OR_RETURN(const std::vector<TextFile> files,
+                           SelectTextFiles(o, &corpus->skipped_));
+    if (files.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "data: no text files found in ", absl::StrJoin(o.paths, ", "), " (",
+          corpus->skipped_.size(), " skipped: .dat index, binary or duplicate)"));
+    }
+    HIMOE_ASSIGN_OR_RETURN(splits, ReadByteSplits(files, o.paths));
+  }
+  corpus->train_ = std::move(splits.train);
+  corpus->val_ = std::move(splits.val);
+  corpus->files_ = std::move(splits.files);
+  if (format == DataFormat::kBytes) VLOG(1) << corpus->Describe();
   return corpus;
 }
 
@@ -345,7 +373,7 @@ std::string Corpus::Describe() const {
 
 absl::StatusOr<std::unique_ptr<BatchSampler>> BatchSampler::Create(
     const at::Tensor& tokens, const BatchSamplerOptions& options) {
-  RETURN_IF_ERROR(CheckWindowShape(tokens, options.batch_size,
+  HIMOE_RETURN_IF_ERROR(CheckWindowShape(tokens, options.batch_size,
                                    options.block_size, "batch sampler"));
   return std::unique_ptr<BatchSampler>(new BatchSampler(tokens, options));
 }
@@ -408,7 +436,7 @@ absl::Status BatchSampler::RestoreState(const std::string& state) {
 
 absl::StatusOr<std::unique_ptr<EvalWindows>> EvalWindows::Create(
     const at::Tensor& tokens, const EvalOptions& options) {
-  RETURN_IF_ERROR(CheckWindowShape(tokens, options.batch_size,
+  HIMOE_RETURN_IF_ERROR(CheckWindowShape(tokens, options.batch_size,
                                    options.block_size, "eval windows"));
   if (options.max_windows < 0) {
     return absl::InvalidArgumentError(absl::StrCat(

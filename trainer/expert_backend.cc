@@ -1,7 +1,6 @@
 #include "trainer/expert_backend.h"
 
 #include <atomic>
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -9,29 +8,17 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/expert_shape.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "common/torch_runtime.h"
+#include "expert_service/expert_client.h"
 #include "expert_service/expert_group.h"
 #include "expert_service/expert_optimizer.h"
-#include "expert_service/expert_service_core.h"
-#include "router_service/group_client.h"
-#include "router_service/remote_moe.h"
+#include "expert_service/expert_rows.h"
 
 namespace himoe::trainer {
 namespace {
-
-expert::ExpertGroupOptions GroupOptions(const ExpertBackendOptions& o, int group, int layer) {
-  expert::ExpertGroupOptions g;
-  g.group_id = group;
-  g.experts_per_group = o.num_experts / o.num_groups;
-  g.d_model = o.d_model;
-  g.d_ff = o.d_ff;
-  g.layer = layer;
-  g.seed = o.seed;
-  g.device = o.device;
-  return g;
-}
 
 expert::StepOptions ToStepOptions(uint64_t step, const AdamWHyper& h, double scale) {
   expert::StepOptions s;
@@ -54,16 +41,18 @@ std::string LayerName(int layer, const std::string& name) {
 class InProcessBackend final : public ExpertBackend {
  public:
   static absl::StatusOr<std::unique_ptr<ExpertBackend>> Create(const ExpertBackendOptions& o) {
+    HIMOE_RETURN_IF_ERROR(ValidateExpertShape(o.shape));
     std::unique_ptr<InProcessBackend> b(new InProcessBackend());
-    b->groups_.resize(o.num_groups);
-    for (int g = 0; g < o.num_groups; ++g) {
+    b->groups_.resize(o.shape.num_groups());
+    for (int g = 0; g < o.shape.num_groups(); ++g) {
       std::vector<expert::ExpertGroup*> all_layers;
-      for (int layer = 0; layer < o.num_layers; ++layer) {
-        ASSIGN_OR_RETURN(auto group, expert::ExpertGroup::Create(GroupOptions(o, g, layer)));
+      for (int layer = 0; layer < o.shape.num_layers(); ++layer) {
+        HIMOE_ASSIGN_OR_RETURN(auto group,
+                               expert::ExpertGroup::Create(o.shape, g, layer, o.device));
         all_layers.push_back(group.get());
         b->groups_[g].push_back(std::move(group));
       }
-      ASSIGN_OR_RETURN(auto optimizer, expert::ExpertOptimizer::Create(all_layers));
+      HIMOE_ASSIGN_OR_RETURN(auto optimizer, expert::ExpertOptimizer::Create(all_layers));
       b->optimizers_.push_back(std::move(optimizer));
     }
     return std::unique_ptr<ExpertBackend>(std::move(b));
@@ -76,7 +65,7 @@ class InProcessBackend final : public ExpertBackend {
     std::vector<at::Tensor> out(rows.size());
     for (size_t g = 0; g < rows.size(); ++g) {
       if (rows[g].size(0) == 0) continue;
-      ASSIGN_OR_RETURN(out[g], groups_[g][layer]->Forward(rows[g], ids[g]));
+      HIMOE_ASSIGN_OR_RETURN(out[g], groups_[g][layer]->Forward(rows[g], ids[g]));
       out[g] = out[g].to(at::kFloat);
     }
     return out;
@@ -90,7 +79,7 @@ class InProcessBackend final : public ExpertBackend {
 
   absl::Status Step(uint64_t step, const AdamWHyper& hyper, double scale) override {
     for (const auto& o : optimizers_) {
-      RETURN_IF_ERROR(o->Step(ToStepOptions(step, hyper, scale)).status());
+      HIMOE_RETURN_IF_ERROR(o->Step(ToStepOptions(step, hyper, scale)).status());
     }
     return absl::OkStatus();
   }
@@ -145,25 +134,6 @@ class InProcessBackend final : public ExpertBackend {
 
 // ---- Remote: himoe-expert services over gRPC.
 
-// Starts every call, waits for all; the first error wins.
-absl::Status RunConcurrently(
-    const std::vector<std::function<void(router::GroupClient::Done)>>& calls) {
-  std::mutex mu;
-  std::condition_variable cv;
-  size_t pending = calls.size();
-  absl::Status first;
-  for (const auto& call : calls) {
-    call([&](absl::Status s) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (!s.ok() && first.ok()) first = std::move(s);
-      if (--pending == 0) cv.notify_one();
-    });
-  }
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return pending == 0; });
-  return first;
-}
-
 class RemoteBackend;
 
 // One MoE layer's expert call of one micro-batch, kept until its Backward.
@@ -180,28 +150,20 @@ struct RemoteCall {
 class RemoteBackend final : public ExpertBackend {
  public:
   static absl::StatusOr<std::unique_ptr<ExpertBackend>> Create(const ExpertBackendOptions& o) {
-    if (static_cast<int>(o.addresses.size()) != o.num_groups) {
+    HIMOE_RETURN_IF_ERROR(ValidateExpertShape(o.shape));
+    const int num_groups = o.shape.num_groups();
+    if (static_cast<int>(o.addresses.size()) != num_groups) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "trainer: ", o.addresses.size(), " expert addresses for ", o.num_groups, " groups"));
+          "trainer: ", o.addresses.size(), " expert addresses for ", num_groups, " groups"));
     }
     std::unique_ptr<RemoteBackend> b(new RemoteBackend(o));
-    for (int g = 0; g < o.num_groups; ++g) {
-      router::GroupClientOptions go;
+    for (int g = 0; g < num_groups; ++g) {
+      expert::ExpertGroupClientOptions go;
       go.group_id = g;
       go.addresses = {o.addresses[g]};
       go.deadline = o.deadline;
-      ASSIGN_OR_RETURN(auto client, router::GroupClient::Create(go));
-      ASSIGN_OR_RETURN(const v1::ExpertInfoResponse info, client->Info());
-      if (info.group_id() != g || info.num_groups() != o.num_groups ||
-          info.num_experts() != o.num_experts || info.d_model() != o.d_model ||
-          info.d_ff() != o.d_ff || info.layers_size() != o.num_layers) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "expert service at ", o.addresses[g], " serves group ", info.group_id(), " of ",
-            info.num_groups(), ", N=", info.num_experts(), ", d_model=", info.d_model(),
-            ", d_ff=", info.d_ff(), ", ", info.layers_size(), " layers; the model needs group ",
-            g, " of ", o.num_groups, ", N=", o.num_experts, ", d_model=", o.d_model,
-            ", d_ff=", o.d_ff, ", ", o.num_layers, " layers"));
-      }
+      HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(go));
+      HIMOE_RETURN_IF_ERROR(client->CheckInfo(o.shape));
       b->clients_.push_back(std::move(client));
     }
     return std::unique_ptr<ExpertBackend>(std::move(b));
@@ -223,15 +185,9 @@ class RemoteBackend final : public ExpertBackend {
 
   absl::StatusOr<double> GradNormSquared() override {
     std::vector<v1::ExpertStepRequest> requests(clients_.size());
+    for (v1::ExpertStepRequest& r : requests) r.set_norm_only(true);
     std::vector<v1::ExpertStepResponse> responses(clients_.size());
-    std::vector<std::function<void(router::GroupClient::Done)>> calls;
-    for (size_t g = 0; g < clients_.size(); ++g) {
-      requests[g].set_norm_only(true);
-      calls.push_back([&, g](router::GroupClient::Done done) {
-        clients_[g]->StepAsync(&requests[g], &responses[g], Timed(g, "Step", std::move(done)));
-      });
-    }
-    RETURN_IF_ERROR(RunConcurrently(calls));
+    HIMOE_RETURN_IF_ERROR(SendSteps(requests, &responses));
     double total = 0;
     for (const auto& r : responses) total += r.grad_norm_squared();
     return total;
@@ -239,10 +195,7 @@ class RemoteBackend final : public ExpertBackend {
 
   absl::Status Step(uint64_t step, const AdamWHyper& h, double scale) override {
     std::vector<v1::ExpertStepRequest> requests(clients_.size());
-    std::vector<v1::ExpertStepResponse> responses(clients_.size());
-    std::vector<std::function<void(router::GroupClient::Done)>> calls;
-    for (size_t g = 0; g < clients_.size(); ++g) {
-      v1::ExpertStepRequest& r = requests[g];
+    for (v1::ExpertStepRequest& r : requests) {
       r.set_step(step);
       r.set_learning_rate(h.lr);
       r.set_grad_scale(scale);
@@ -250,11 +203,9 @@ class RemoteBackend final : public ExpertBackend {
       r.set_beta1(h.beta1);
       r.set_beta2(h.beta2);
       r.set_eps(h.eps);
-      calls.push_back([&, g](router::GroupClient::Done done) {
-        clients_[g]->StepAsync(&requests[g], &responses[g], Timed(g, "Step", std::move(done)));
-      });
     }
-    return RunConcurrently(calls);
+    std::vector<v1::ExpertStepResponse> responses(clients_.size());
+    return SendSteps(requests, &responses);
   }
 
   absl::Status Abort(uint64_t step) override {
@@ -273,30 +224,24 @@ class RemoteBackend final : public ExpertBackend {
   }
 
   absl::StatusOr<std::vector<NamedTensor>> GetState(int g) override {
-    ASSIGN_OR_RETURN(const std::vector<v1::StateChunk> chunks,
-                     clients_[g]->GetState(/*include_optimizer=*/true));
-    expert::StateAssembler assembler;
-    for (const v1::StateChunk& chunk : chunks) RETURN_IF_ERROR(assembler.Add(chunk));
-    return assembler.Finish();
+    return clients_[g]->GetState(/*include_optimizer=*/true);
   }
 
   absl::Status SetState(int g, const std::vector<NamedTensor>& state) override {
-    ASSIGN_OR_RETURN(auto chunker, expert::StateChunker::Create(state, /*chunk_bytes=*/1 << 20));
-    std::vector<v1::StateChunk> chunks;
-    for (v1::StateChunk chunk; chunker->Next(&chunk);) chunks.push_back(chunk);
-    return clients_[g]->SetState(chunks);
+    return clients_[g]->SetState(state);
   }
 
   absl::StatusOr<int64_t> PendingSaved() override {
     int64_t total = 0;
     for (const auto& c : clients_) {
-      ASSIGN_OR_RETURN(const v1::ExpertInfoResponse info, c->Info());
+      HIMOE_ASSIGN_OR_RETURN(const v1::ExpertInfoResponse info, c->Info());
       total += info.pending_saved();
     }
     return total;
   }
 
   int num_groups() const override { return static_cast<int>(clients_.size()); }
+  int64_t d_model() const { return options_.shape.d_model(); }
 
   uint64_t Register(std::shared_ptr<RemoteCall> call) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -316,19 +261,28 @@ class RemoteBackend final : public ExpertBackend {
  private:
   explicit RemoteBackend(const ExpertBackendOptions& o) : options_(o) {}
 
+  // Every group's Step call at once; the first error wins.
+  absl::Status SendSteps(const std::vector<v1::ExpertStepRequest>& requests,
+                         std::vector<v1::ExpertStepResponse>* responses) {
+    return expert::FanOut(clients_.size(), [&](size_t g, expert::ExpertGroupClient::Done done) {
+      clients_[g]->StepAsync(&requests[g], &(*responses)[g], Timed(g, "Step", std::move(done)));
+    });
+  }
+
   // Wraps `done` to report the call's latency to options_.on_rpc.
-  router::GroupClient::Done Timed(int group, const char* rpc, router::GroupClient::Done done) {
+  expert::ExpertGroupClient::Done Timed(int group, const char* rpc,
+                                        expert::ExpertGroupClient::Done done) {
     if (!options_.on_rpc) return done;
     const auto start = std::chrono::steady_clock::now();
     return [this, group, rpc, start, done = std::move(done)](absl::Status s) {
-      options_.on_rpc(group, rpc,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      options_.on_rpc(group, rpc, took.count());
       done(std::move(s));
     };
   }
 
   ExpertBackendOptions options_;
-  std::vector<std::unique_ptr<router::GroupClient>> clients_;
+  std::vector<std::unique_ptr<expert::ExpertGroupClient>> clients_;
   std::atomic<uint64_t> next_request_id_{1};
   std::mutex mu_;
   uint64_t next_handle_ = 1;
@@ -337,14 +291,15 @@ class RemoteBackend final : public ExpertBackend {
 
 // Connects the remote experts to LibTorch autograd: forward sends Forward
 // (saving state on the services), backward sends Backward with dL/dy and
-// returns dL/d(rows). Errors surface as c10::Error at the trainer boundary.
+// returns dL/d(rows). Errors are thrown as StatusException, so that they
+// keep their code (an unreachable group stays UNAVAILABLE) through autograd.
 class RemoteExpertsFunction : public torch::autograd::Function<RemoteExpertsFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 std::shared_ptr<RemoteCall> call,
                                                 at::TensorList rows) {
     auto outputs = call->backend->SendForward(*call, rows.vec(), call->ids, /*save=*/true);
-    TORCH_CHECK(outputs.ok(), std::string(outputs.status().message()));
+    if (!outputs.ok()) throw StatusException(outputs.status());
     ctx->saved_data["backend"] = reinterpret_cast<int64_t>(call->backend);
     ctx->saved_data["handle"] = static_cast<int64_t>(call->backend->Register(call));
     return *outputs;
@@ -354,10 +309,12 @@ class RemoteExpertsFunction : public torch::autograd::Function<RemoteExpertsFunc
                                                  torch::autograd::variable_list grads) {
     const uint64_t handle = static_cast<uint64_t>(ctx->saved_data["handle"].toInt());
     std::shared_ptr<RemoteCall> call = RemoteBackendOf(ctx)->Take(handle);
-    TORCH_CHECK(call != nullptr, "remote expert call ", handle,
-                " was aborted before its backward");
+    if (call == nullptr) {
+      throw StatusException(absl::FailedPreconditionError(
+          absl::StrCat("remote expert call ", handle, " was aborted before its backward")));
+    }
     auto input_grads = call->backend->SendBackward(*call, grads);
-    TORCH_CHECK(input_grads.ok(), std::string(input_grads.status().message()));
+    if (!input_grads.ok()) throw StatusException(input_grads.status());
     torch::autograd::variable_list out = {at::Tensor()};  // for `call`
     for (auto& g : *input_grads) out.push_back(std::move(g));
     return out;
@@ -387,9 +344,9 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::Forward(
   std::vector<at::Tensor> outputs;
   if (!training) {
     at::NoGradGuard no_grad;
-    ASSIGN_OR_RETURN(outputs, SendForward(*call, sent_rows, call->ids, /*save=*/false));
+    HIMOE_ASSIGN_OR_RETURN(outputs, SendForward(*call, sent_rows, call->ids, /*save=*/false));
   } else {
-    RETURN_IF_ERROR(CatchTorchErrors([&] {
+    HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
       // As a TensorList, so that autograd sees the rows as inputs.
       outputs = RemoteExpertsFunction::apply(call, at::TensorList(sent_rows));
       return absl::OkStatus();
@@ -406,7 +363,6 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
   const size_t n = call.groups.size();
   call.requests.assign(n, v1::ExpertForwardRequest());
   std::vector<v1::ExpertForwardResponse> responses(n);
-  std::vector<std::function<void(router::GroupClient::Done)>> calls;
   for (size_t i = 0; i < n; ++i) {
     v1::ExpertForwardRequest& r = call.requests[i];
     r.set_layer(call.layer);
@@ -417,21 +373,21 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
     const at::Tensor cpu_ids = ids[i].to(at::kCPU).contiguous();
     const std::vector<int64_t> experts(cpu_ids.data_ptr<int64_t>(),
                                        cpu_ids.data_ptr<int64_t>() + cpu_ids.numel());
-    RETURN_IF_ERROR(router::AppendExpertRuns(rows[i].detach().to(at::kFloat).contiguous(),
-                                             experts, 0, rows[i].size(0), r.mutable_inputs()));
-    const int group = call.groups[i];
-    calls.push_back([&, i, group](router::GroupClient::Done done) {
-      clients_[group]->ForwardAsync(&call.requests[i], &responses[i],
-                                    Timed(group, "Forward", std::move(done)));
-    });
+    HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(rows[i].detach().to(at::kFloat).contiguous(),
+                                                   experts, 0, rows[i].size(0),
+                                                   r.mutable_inputs()));
   }
-  RETURN_IF_ERROR(RunConcurrently(calls));
+  HIMOE_RETURN_IF_ERROR(expert::FanOut(n, [&](size_t i, expert::ExpertGroupClient::Done done) {
+    const int group = call.groups[i];
+    clients_[group]->ForwardAsync(&call.requests[i], &responses[i],
+                                  Timed(group, "Forward", std::move(done)));
+  }));
   std::vector<at::Tensor> outputs;
   for (size_t i = 0; i < n; ++i) {
-    ASSIGN_OR_RETURN(at::Tensor y, router::ConcatExpertRows(
-                                       responses[i].outputs(), call.requests[i].inputs(),
-                                       options_.d_model,
-                                       absl::StrCat("expert group ", call.groups[i])));
+    HIMOE_ASSIGN_OR_RETURN(at::Tensor y, expert::ConcatExpertRows(
+                                             responses[i].outputs(), call.requests[i].inputs(),
+                                             d_model(),
+                                             absl::StrCat("expert group ", call.groups[i])));
     outputs.push_back(std::move(y));
     // Backward needs only the run structure: drop the row bytes.
     for (auto& in : *call.requests[i].mutable_inputs()) in.mutable_rows()->clear_data();
@@ -444,7 +400,6 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
   const size_t n = call.groups.size();
   std::vector<v1::ExpertBackwardRequest> requests(n);
   std::vector<v1::ExpertBackwardResponse> responses(n);
-  std::vector<std::function<void(router::GroupClient::Done)>> calls;
   for (size_t i = 0; i < n; ++i) {
     const v1::ExpertForwardRequest& f = call.requests[i];
     v1::ExpertBackwardRequest& r = requests[i];
@@ -460,23 +415,23 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
       v1::ExpertRows* out = r.add_output_grads();
       out->set_expert_id(in.expert_id());
       const at::Tensor part = g.defined() ? g.slice(0, row, row + rows)
-                                          : at::zeros({rows, options_.d_model});
-      RETURN_IF_ERROR(EncodeTensor(part, out->mutable_rows()));
+                                          : at::zeros({rows, d_model()});
+      HIMOE_RETURN_IF_ERROR(EncodeTensor(part, out->mutable_rows()));
       row += rows;
     }
-    const int group = call.groups[i];
-    calls.push_back([&, i, group](router::GroupClient::Done done) {
-      clients_[group]->BackwardAsync(&requests[i], &responses[i],
-                                     Timed(group, "Backward", std::move(done)));
-    });
   }
-  RETURN_IF_ERROR(RunConcurrently(calls));
+  HIMOE_RETURN_IF_ERROR(expert::FanOut(n, [&](size_t i, expert::ExpertGroupClient::Done done) {
+    const int group = call.groups[i];
+    clients_[group]->BackwardAsync(&requests[i], &responses[i],
+                                   Timed(group, "Backward", std::move(done)));
+  }));
   std::vector<at::Tensor> input_grads;
   for (size_t i = 0; i < n; ++i) {
-    ASSIGN_OR_RETURN(at::Tensor g, router::ConcatExpertRows(
-                                       responses[i].input_grads(), call.requests[i].inputs(),
-                                       options_.d_model,
-                                       absl::StrCat("expert group ", call.groups[i], " grads")));
+    HIMOE_ASSIGN_OR_RETURN(at::Tensor g, expert::ConcatExpertRows(
+                                             responses[i].input_grads(),
+                                             call.requests[i].inputs(), d_model(),
+                                             absl::StrCat("expert group ", call.groups[i],
+                                                          " grads")));
     input_grads.push_back(std::move(g));
   }
   return input_grads;

@@ -6,17 +6,16 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include "absl/status/statusor.h"
+#include "common/named_tensor.h"
+#include "himoe/v1/model.pb.h"
 
 namespace himoe::trainer {
-
-using NamedTensor = std::pair<std::string, at::Tensor>;
 
 struct AdamWHyper {
   double lr = 0;
@@ -53,12 +52,7 @@ class ExpertBackend {
 };
 
 struct ExpertBackendOptions {
-  int num_experts = 8;
-  int num_groups = 4;
-  int num_layers = 1;  // MoE layers
-  int64_t d_model = 0;
-  int64_t d_ff = 0;
-  uint64_t seed = 0;
+  v1::ExpertShape shape;
   c10::Device device = c10::Device(c10::kCPU);
   // Remote only: one address per group.
   std::vector<std::string> addresses;
@@ -72,8 +66,8 @@ struct ExpertBackendOptions {
 absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateInProcessBackend(
     const ExpertBackendOptions& options);
 
-// Groups on himoe-expert services; checks each service's Info against the
-// options (group id, sizes) before returning.
+// Groups on himoe-expert services; checks each service's Info against
+// options.shape (group id, sizes, seed, dtype) before returning.
 absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateRemoteBackend(
     const ExpertBackendOptions& options);
 

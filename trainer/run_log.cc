@@ -2,21 +2,41 @@
 
 #include <cmath>
 
+#include <google/protobuf/util/json_util.h>
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
-#include "router_service/routing_config.h"
 #include "router_service/routing_math.h"
 
 namespace himoe::trainer {
 namespace {
 
-std::string Num(double v) { return std::isfinite(v) ? absl::StrFormat("%.6g", v) : "null"; }
+// Keys in insertion order; NaN and infinities are written as null.
+using Json = nlohmann::ordered_json;
 
-std::string Array(const std::vector<double>& v) {
-  return absl::StrCat("[", absl::StrJoin(v, ",", [](std::string* out, double x) {
-                        absl::StrAppend(out, Num(x));
-                      }), "]");
+// Measurements keep 6 significant digits: what the plots and readers use,
+// at a third of the bytes of full precision.
+double Sig6(double v) { return std::isfinite(v) ? std::stod(absl::StrFormat("%.6g", v)) : v; }
+
+std::vector<double> Sig6(std::vector<double> v) {
+  for (double& x : v) x = Sig6(x);
+  return v;
+}
+
+Json LayerJson(const router::RoutingStats& st) {
+  return Json{{"expert_counts", Sig6(st.expert_counts)},
+              {"group_counts", Sig6(st.group_counts)},
+              {"soft_group_load", Sig6(st.soft_group_load)},
+              {"expert_cv", Sig6(st.expert_cv)},
+              {"group_cv", Sig6(st.group_cv)},
+              {"max_vio", Sig6(st.max_vio)},
+              {"groups_per_token", Sig6(st.groups_per_token)},
+              {"c_ov", Sig6(st.c_ov)},
+              {"c_sys", Sig6(st.c_sys)},
+              {"cert_lhs", Sig6(st.cert_lhs)},
+              {"cert_rhs", Sig6(st.cert_rhs)},
+              {"drop_rate", Sig6(st.drop_rate)}};
 }
 
 std::string Duration(double seconds) {
@@ -58,24 +78,20 @@ absl::StatusOr<std::unique_ptr<RunLog>> RunLog::Create(const std::string& path,
   return std::unique_ptr<RunLog>(new RunLog(std::move(out), total_steps, window));
 }
 
-void RunLog::OnConfig(const TrainerOptions& o, const std::string& experts) {
-  const ModelOptions& m = o.model;
-  const router::RoutingConfig& r = m.routing;
-  out_ << absl::StrFormat(
-              R"({"kind":"config","method":"%s","experts":"%s","n_layer":%d,"d_model":%d,)"
-              R"("d_ff":%d,"moe_every":%d,"block_size":%d,"num_experts":%d,"num_groups":%d,)"
-              R"("top_k":%d,"temperature":%s,"tau":%s,"ema_beta":%s,"lambda_intra":%s,)"
-              R"("lambda_inter":%s,"alpha":%s,"z_coef":%s,"capacity_factor":%s,)"
-              R"("renormalize":%s,"steps":%d,"batch_size":%d,"grad_accum":%d,"lr":%s,)"
-              R"("seed":%d})",
-              router::RoutingMethodName(r.method), experts, m.n_layer, m.d_model, m.d_ff,
-              m.moe_every, m.block_size, r.num_experts, r.num_groups, r.top_k,
-              Num(r.temperature), Num(r.tau), Num(r.ema_beta), Num(r.lambda_intra),
-              Num(r.lambda_inter), Num(r.alpha), Num(r.z_coef), Num(r.capacity_factor),
-              r.renormalize ? "true" : "false", o.steps, o.batch_size, o.grad_accum, Num(o.lr),
-              o.seed)
-       << "\n";
+void RunLog::WriteLine(const std::string& json) {
+  out_ << json << "\n";
   out_.flush();
+}
+
+void RunLog::OnConfig(const v1::RunConfig& config) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  std::string settings;
+  if (!google::protobuf::util::MessageToJsonString(config, &settings, options).ok()) return;
+  Json line = {{"kind", "config"}};
+  line.update(Json::parse(settings));
+  WriteLine(line.dump());
 }
 
 void RunLog::OnStep(const StepResult& s) {
@@ -84,36 +100,33 @@ void RunLog::OnStep(const StepResult& s) {
   ++steps_seen_;
   recent_.push_back(s);
   while (static_cast<int>(recent_.size()) > window_) recent_.pop_front();
-  std::string layers;
-  for (const auto& st : s.layers) {
-    absl::StrAppend(
-        &layers, layers.empty() ? "" : ",",
-        absl::StrFormat(
-            R"({"expert_counts":%s,"group_counts":%s,"soft_group_load":%s,"expert_cv":%s,)"
-            R"("group_cv":%s,"max_vio":%s,"groups_per_token":%s,"c_ov":%s,"c_sys":%s,)"
-            R"("cert_lhs":%s,"cert_rhs":%s,"drop_rate":%s})",
-            Array(st.expert_counts), Array(st.group_counts), Array(st.soft_group_load),
-            Num(st.expert_cv), Num(st.group_cv), Num(st.max_vio), Num(st.groups_per_token),
-            Num(st.c_ov), Num(st.c_sys), Num(st.cert_lhs), Num(st.cert_rhs),
-            Num(st.drop_rate)));
-  }
-  out_ << absl::StrFormat(
-              R"({"kind":"train","step":%d,"lr":%s,"loss":%s,"task":%s,"ppl":%s,"load":%s,)"
-              R"("intra":%s,"inter":%s,"z":%s,"grad_norm":%s,"tokens":%d,"seconds":%s,)"
-              R"("tokens_per_s":%s,"layers":[%s]})",
-              s.step, Num(s.lr), Num(s.loss), Num(s.task), Num(std::exp(s.task)), Num(s.load),
-              Num(s.intra), Num(s.inter), Num(s.z), Num(s.grad_norm), s.tokens, Num(s.seconds),
-              Num(s.tokens / std::max(s.seconds, 1e-9)), layers)
-       << "\n";
-  out_.flush();
+  Json layers = Json::array();
+  for (const auto& st : s.layers) layers.push_back(LayerJson(st));
+  const Json line = {{"kind", "train"},
+                     {"step", s.step},
+                     {"lr", Sig6(s.lr)},
+                     {"loss", Sig6(s.loss)},
+                     {"task", Sig6(s.task)},
+                     {"ppl", Sig6(std::exp(s.task))},
+                     {"load", Sig6(s.load)},
+                     {"intra", Sig6(s.intra)},
+                     {"inter", Sig6(s.inter)},
+                     {"z", Sig6(s.z)},
+                     {"grad_norm", Sig6(s.grad_norm)},
+                     {"tokens", s.tokens},
+                     {"seconds", Sig6(s.seconds)},
+                     {"tokens_per_s", Sig6(s.tokens / std::max(s.seconds, 1e-9))},
+                     {"layers", std::move(layers)}};
+  WriteLine(line.dump());
 }
 
 void RunLog::OnEval(int64_t step, double val_loss) {
   last_val_loss_ = val_loss;
-  out_ << absl::StrFormat(R"({"kind":"eval","step":%d,"val_loss":%s,"val_ppl":%s})", step,
-                          Num(val_loss), Num(std::exp(val_loss)))
-       << "\n";
-  out_.flush();
+  const Json line = {{"kind", "eval"},
+                     {"step", step},
+                     {"val_loss", Sig6(val_loss)},
+                     {"val_ppl", Sig6(std::exp(val_loss))}};
+  WriteLine(line.dump());
 }
 
 std::string RunLog::ProgressLine() const {
@@ -123,10 +136,11 @@ std::string RunLog::ProgressLine() const {
   const double eta = seconds_ / steps_seen_ * (total_steps_ - s.step);
   double cv = 0;
   for (const auto& st : s.layers) cv += st.expert_cv / s.layers.size();
-  return absl::StrFormat("step %d/%d | loss %.4f (ce %.4f) | val ppl %s | CV %.3f | %.1fk tok/s | ETA %s",
-                         s.step, total_steps_, s.loss, s.task,
-                         last_val_loss_ < 0 ? "-" : absl::StrFormat("%.3f", std::exp(last_val_loss_)),
-                         cv, rate / 1000, Duration(eta));
+  const std::string val_ppl =
+      last_val_loss_ < 0 ? "-" : absl::StrFormat("%.3f", std::exp(last_val_loss_));
+  return absl::StrFormat(
+      "step %d/%d | loss %.4f (ce %.4f) | val ppl %s | CV %.3f | %.1fk tok/s | ETA %s", s.step,
+      total_steps_, s.loss, s.task, val_ppl, cv, rate / 1000, Duration(eta));
 }
 
 std::string RunLog::FinalReport() const {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "himoe/v1/model.pb.h"
 #include "trainer/trainer.h"
 
 namespace himoe::trainer {
@@ -23,9 +24,9 @@ class RunLog {
                                                         int64_t total_steps, int window,
                                                         bool append = false);
 
-  // The run's model, routing and optimization settings; `experts` is where
-  // the experts ran (local, cluster, inprocess).
-  void OnConfig(const TrainerOptions& options, const std::string& experts);
+  // The run's settings (RunConfigFor): the JSON of `config` (proto field
+  // names) with "kind":"config".
+  void OnConfig(const v1::RunConfig& config);
   void OnStep(const StepResult& step);
   void OnEval(int64_t step, double val_loss);
   // "step 120/600 | loss 2.31 | val ppl 9.84 | CV 0.12 | 5.3k tok/s | ETA 1m12s"
@@ -38,6 +39,8 @@ class RunLog {
  private:
   RunLog(std::ofstream out, int64_t total_steps, int window)
       : out_(std::move(out)), total_steps_(total_steps), window_(window) {}
+  // One line of metrics.jsonl, flushed.
+  void WriteLine(const std::string& json);
 
   std::ofstream out_;
   int64_t total_steps_;

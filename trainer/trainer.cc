@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
+#include "model/checkpoint_reader.h"
 
 namespace himoe::trainer {
 
@@ -17,6 +18,37 @@ double CosineLearningRate(const TrainerOptions& o, int64_t step) {
   const double ratio =
       static_cast<double>(step - o.warmup_steps) / static_cast<double>(o.steps - o.warmup_steps);
   return o.min_lr + 0.5 * (1.0 + std::cos(M_PI * ratio)) * (o.lr - o.min_lr);
+}
+
+v1::RunConfig RunConfigFor(const TrainerOptions& o, int64_t step) {
+  const model::ModelOptions& m = o.model;
+  const router::RoutingConfig& r = m.routing;
+  v1::RunConfig c;
+  c.set_format(model::kCheckpointFormat);
+  c.set_step(step);
+  *c.mutable_model() = model::ModelConfigToProto(m);
+  v1::TrainingConfig& t = *c.mutable_training();
+  t.set_steps(o.steps);
+  t.set_batch_size(o.batch_size);
+  t.set_grad_accum(o.grad_accum);
+  t.set_lr(o.lr);
+  t.set_min_lr(o.min_lr);
+  t.set_warmup_steps(o.warmup_steps);
+  t.set_weight_decay(o.weight_decay);
+  t.set_beta1(o.beta1);
+  t.set_beta2(o.beta2);
+  t.set_grad_clip(o.grad_clip);
+  t.set_eval_every(o.eval_every);
+  t.set_eval_windows(o.eval_windows);
+  t.set_seed(o.seed);
+  t.set_experts(!o.experts_mode.empty() ? o.experts_mode
+                                         : (o.remote_experts ? "remote" : "inprocess"));
+  c.set_description(absl::StrCat(
+      router::RoutingMethodName(r.method), " MoE LM at step ", step, ": ", m.n_layer,
+      " layers, d_model ", m.d_model, ", ", m.n_head, " heads, N=", r.num_experts,
+      " experts in M=", r.num_groups, " groups (top_k ", r.top_k, "), d_ff ", m.d_ff,
+      ", vocab ", m.vocab_size, ", block ", m.block_size));
+  return c;
 }
 
 Trainer::Trainer(const TrainerOptions& options) : options_(options) {}
@@ -30,30 +62,33 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
         "weight_decay, grad_clip >= 0");
   }
   std::unique_ptr<Trainer> t(new Trainer(o));
-  ASSIGN_OR_RETURN(t->corpus_, Corpus::Create(o.data));
+  HIMOE_ASSIGN_OR_RETURN(t->corpus_, Corpus::Create(o.data));
   TrainerOptions& opts = t->options_;
   opts.model.vocab_size = t->corpus_->vocab_size();
   BatchSamplerOptions so;
   so.batch_size = o.batch_size;
   so.block_size = o.model.block_size;
   so.seed = o.seed;
-  ASSIGN_OR_RETURN(t->sampler_, BatchSampler::Create(t->corpus_->train(), so));
+  HIMOE_ASSIGN_OR_RETURN(t->sampler_, BatchSampler::Create(t->corpus_->train(), so));
   EvalOptions eo;
   eo.batch_size = o.batch_size;
   eo.block_size = o.model.block_size;
   eo.max_windows = o.eval_windows;
-  ASSIGN_OR_RETURN(t->eval_, EvalWindows::Create(t->corpus_->val(), eo));
+  HIMOE_ASSIGN_OR_RETURN(t->eval_, EvalWindows::Create(t->corpus_->val(), eo));
 
-  ExpertBackendOptions bo = ExpertBackendOptionsFor(o.model);
+  HIMOE_RETURN_IF_ERROR(model::ValidateModelOptions(opts.model));
+  ExpertBackendOptions bo;
+  bo.shape = model::ExpertShapeFor(o.model);
   bo.addresses = o.expert_addresses;
   bo.on_rpc = o.on_rpc;
   if (o.remote_experts) {
-    ASSIGN_OR_RETURN(t->experts_, CreateRemoteBackend(bo));
+    HIMOE_ASSIGN_OR_RETURN(t->experts_, CreateRemoteBackend(bo));
   } else {
-    ASSIGN_OR_RETURN(t->experts_, CreateInProcessBackend(bo));
+    HIMOE_ASSIGN_OR_RETURN(t->experts_, CreateInProcessBackend(bo));
   }
-  ASSIGN_OR_RETURN(t->model_, TransformerLM::Create(opts.model, t->experts_.get()));
-  RETURN_IF_ERROR(CatchTorchErrors([&] {
+  HIMOE_ASSIGN_OR_RETURN(t->moe_, BackendMoE::Create(opts.model, t->experts_.get()));
+  HIMOE_ASSIGN_OR_RETURN(t->model_, model::TransformerLM::Create(opts.model, t->moe_.get()));
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     std::vector<torch::optim::OptimizerParamGroup> groups;
     auto decayed = std::make_unique<torch::optim::AdamWOptions>(o.lr);
     decayed->betas({o.beta1, o.beta2}).weight_decay(o.weight_decay);
@@ -80,8 +115,9 @@ absl::StatusOr<StepResult> Trainer::Step() {
     optimizer_->zero_grad();
     for (int mb = 0; mb < options_.grad_accum; ++mb) {
       const Batch batch = sampler_->Next();
-      ASSIGN_OR_RETURN(ModelOutput out,
-                       model_->Forward(batch.x, batch.y, step, static_cast<uint32_t>(mb), true));
+      HIMOE_ASSIGN_OR_RETURN(
+          model::ModelOutput out,
+          model_->Forward(batch.x, batch.y, step, static_cast<uint32_t>(mb), true));
       const at::Tensor loss = out.task_loss + out.aux.Total();
       (loss / accum).backward();
       r.loss += loss.item<double>() / accum;
@@ -98,7 +134,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
     for (const auto& p : model_->parameters()) {
       if (p.grad().defined()) norm2 += p.grad().to(at::kDouble).pow(2).sum().item<double>();
     }
-    ASSIGN_OR_RETURN(const double expert_norm2, experts_->GradNormSquared());
+    HIMOE_ASSIGN_OR_RETURN(const double expert_norm2, experts_->GradNormSquared());
     r.grad_norm = std::sqrt(norm2 + expert_norm2);
     const double scale = options_.grad_clip > 0 && r.grad_norm > options_.grad_clip
                              ? options_.grad_clip / (r.grad_norm + 1e-6)
@@ -118,7 +154,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
     hyper.weight_decay = options_.weight_decay;
     hyper.beta1 = options_.beta1;
     hyper.beta2 = options_.beta2;
-    RETURN_IF_ERROR(experts_->Step(step, hyper, scale));
+    HIMOE_RETURN_IF_ERROR(experts_->Step(step, hyper, scale));
     for (int m = 0; m < model_->num_moe_layers(); ++m) model_->router(m).ApplyLossFreeBiasUpdate();
     return absl::OkStatus();
   });
@@ -135,12 +171,13 @@ absl::StatusOr<StepResult> Trainer::Step() {
 absl::StatusOr<double> Trainer::Evaluate() {
   double total = 0;
   int64_t batches = 0;
-  RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
     torch::NoGradGuard no_grad;
     model_->eval();
     for (int64_t i = 0; i < eval_->num_batches(); ++i) {
       const Batch batch = eval_->GetBatch(i);
-      ASSIGN_OR_RETURN(ModelOutput out, model_->Forward(batch.x, batch.y, 0, 0, false));
+      HIMOE_ASSIGN_OR_RETURN(model::ModelOutput out,
+                             model_->Forward(batch.x, batch.y, 0, 0, false));
       total += out.task_loss.item<double>();
       ++batches;
     }

@@ -8,10 +8,13 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "himoe/v1/model.pb.h"
+#include "model/model_config.h"
+#include "model/transformer_lm.h"
 #include "router_service/router_layer.h"
+#include "trainer/backend_moe.h"
 #include "trainer/data.h"
 #include "trainer/expert_backend.h"
-#include "trainer/model.h"
 
 namespace torch::optim {
 class AdamW;
@@ -20,12 +23,15 @@ class AdamW;
 namespace himoe::trainer {
 
 struct TrainerOptions {
-  ModelOptions model;
+  model::ModelOptions model;
   DataOptions data;
   // Experts: in this process (LocalMoE-style) or on himoe-expert services
   // (one address per group).
   bool remote_experts = false;
   std::vector<std::string> expert_addresses;
+  // Where the experts run, as recorded in the checkpoints and the run log:
+  // local, cluster or inprocess; empty = "remote" or "inprocess".
+  std::string experts_mode;
   // Remote experts: (group, RPC, seconds) of every call, from gRPC threads.
   std::function<void(int, const std::string&, double)> on_rpc;
 
@@ -46,6 +52,10 @@ struct TrainerOptions {
 
 // Warmup then cosine decay to min_lr at the last step (nanoGPT's schedule).
 double CosineLearningRate(const TrainerOptions& options, int64_t step);
+
+// Every model, routing and training setting of a run at `step`: a
+// checkpoint's meta.textproto and the run log's config line.
+v1::RunConfig RunConfigFor(const TrainerOptions& options, int64_t step);
 
 struct StepResult {
   int64_t step = 0;  // 1-based
@@ -76,7 +86,8 @@ class Trainer {
   void set_step(int64_t step) { step_ = step; }
   torch::optim::AdamW& optimizer() { return *optimizer_; }
   BatchSampler& sampler() { return *sampler_; }
-  TransformerLM& model() { return *model_; }
+  model::TransformerLM& model() { return *model_; }
+  BackendMoE& moe() { return *moe_; }
   ExpertBackend& experts() { return *experts_; }
   const Corpus& corpus() const { return *corpus_; }
   const TrainerOptions& options() const { return options_; }
@@ -89,7 +100,8 @@ class Trainer {
   std::unique_ptr<BatchSampler> sampler_;
   std::unique_ptr<EvalWindows> eval_;
   std::unique_ptr<ExpertBackend> experts_;
-  std::shared_ptr<TransformerLM> model_;
+  std::unique_ptr<BackendMoE> moe_;  // over experts_
+  std::shared_ptr<model::TransformerLM> model_;  // over moe_
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   int64_t step_ = 0;
 };

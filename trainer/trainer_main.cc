@@ -16,15 +16,19 @@
 #include <prometheus/registry.h>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/cluster_config.h"
+#include "common/expert_shape.h"
+#include "common/metrics_endpoint.h"
+#include "common/program.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 #include "deploy/local/local_cluster.h"
+#include "model/checkpoint_reader.h"
+#include "model/model_config.h"
 #include "router_service/routing_config.h"
 #include "trainer/checkpoint.h"
 #include "trainer/run_log.h"
@@ -91,8 +95,8 @@ absl::StatusOr<router::RoutingConfig> RoutingFromFlags() {
   c.num_experts = absl::GetFlag(FLAGS_num_experts);
   c.num_groups = absl::GetFlag(FLAGS_num_groups);
   c.top_k = absl::GetFlag(FLAGS_top_k);
-  ASSIGN_OR_RETURN(c.method, router::ParseRoutingMethod(absl::GetFlag(FLAGS_method)));
-  RETURN_IF_ERROR(router::ApplyPreset(absl::GetFlag(FLAGS_preset), &c));
+  HIMOE_ASSIGN_OR_RETURN(c.method, router::ParseRoutingMethod(absl::GetFlag(FLAGS_method)));
+  HIMOE_RETURN_IF_ERROR(router::ApplyPreset(absl::GetFlag(FLAGS_preset), &c));
   c.temperature = absl::GetFlag(FLAGS_temperature);
   c.tau = absl::GetFlag(FLAGS_tau);
   c.ema_beta = absl::GetFlag(FLAGS_ema_beta);
@@ -103,22 +107,14 @@ absl::StatusOr<router::RoutingConfig> RoutingFromFlags() {
   if (absl::GetFlag(FLAGS_capacity_factor) >= 0) {
     c.capacity_factor = absl::GetFlag(FLAGS_capacity_factor);
   }
-  RETURN_IF_ERROR(router::ValidateRoutingConfig(c));
+  HIMOE_RETURN_IF_ERROR(router::ValidateRoutingConfig(c));
   return c;
 }
 
-absl::Status Run() {
-  const std::string mode = absl::GetFlag(FLAGS_experts);
-  if (absl::GetFlag(FLAGS_expert_metrics_port) < -1 ||
-      (absl::GetFlag(FLAGS_expert_metrics_port) != -1 && mode != "local")) {
-    return absl::InvalidArgumentError(
-        "--expert_metrics_port: a port >= 0, or -1, and only with --experts=local (the cluster "
-        "file gives a cluster's metrics ports)");
-  }
-  RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
+absl::StatusOr<TrainerOptions> OptionsFromFlags() {
   TrainerOptions o;
-  ModelOptions& m = o.model;
-  ASSIGN_OR_RETURN(m.routing, RoutingFromFlags());
+  model::ModelOptions& m = o.model;
+  HIMOE_ASSIGN_OR_RETURN(m.routing, RoutingFromFlags());
   m.n_layer = absl::GetFlag(FLAGS_n_layer);
   m.n_head = absl::GetFlag(FLAGS_n_head);
   m.d_model = absl::GetFlag(FLAGS_d_model);
@@ -128,8 +124,9 @@ absl::Status Run() {
   m.moe_every = absl::GetFlag(FLAGS_moe_every);
   m.seed = absl::GetFlag(FLAGS_seed);
   const std::string data = absl::GetFlag(FLAGS_data);
-  o.data.paths = data.empty() ? DefaultCorpusPaths()
-                              : std::vector<std::string>(absl::StrSplit(data, ',', absl::SkipEmpty()));
+  o.data.paths = data.empty()
+                     ? DefaultCorpusPaths()
+                     : std::vector<std::string>(absl::StrSplit(data, ',', absl::SkipEmpty()));
   o.data.format = absl::GetFlag(FLAGS_format);
   o.data.val_fraction = absl::GetFlag(FLAGS_val_fraction);
   o.steps = absl::GetFlag(FLAGS_steps);
@@ -143,116 +140,169 @@ absl::Status Run() {
   o.eval_every = absl::GetFlag(FLAGS_eval_every);
   o.eval_windows = absl::GetFlag(FLAGS_eval_windows);
   o.seed = absl::GetFlag(FLAGS_seed);
+  o.experts_mode = absl::GetFlag(FLAGS_experts);
+  return o;
+}
 
-  const std::string out_dir = absl::GetFlag(FLAGS_out_dir);
-  std::error_code ec;
-  std::filesystem::create_directories(out_dir, ec);
-  if (ec) return absl::UnavailableError(absl::StrCat("--out_dir ", out_dir, ": ", ec.message()));
+// --experts=local: M himoe-expert processes on 127.0.0.1.
+absl::StatusOr<std::unique_ptr<local::LocalExpertCluster>> StartLocalExperts(
+    const std::string& out_dir, TrainerOptions* o) {
+  local::ExpertProcessOptions e;
+  e.shape = model::ExpertShapeFor(o->model);
+  e.threads = absl::GetFlag(FLAGS_expert_threads);
+  e.log_dir = absl::StrCat(out_dir, "/experts");
+  e.metrics_port_base = absl::GetFlag(FLAGS_expert_metrics_port);
+  HIMOE_ASSIGN_OR_RETURN(auto spawned, local::LocalExpertCluster::Start(e));
+  o->remote_experts = true;
+  o->expert_addresses = spawned->addresses();
+  std::cerr << "experts: " << o->model.routing.num_groups << " himoe-expert processes on "
+            << absl::StrJoin(o->expert_addresses, ", ") << " (logs in " << spawned->log_dir()
+            << ")\n";
+  if (!spawned->metrics_addresses().empty()) {
+    std::cerr << "expert metrics: http://"
+              << absl::StrJoin(spawned->metrics_addresses(), "/metrics, http://") << "/metrics\n";
+  }
+  return spawned;
+}
 
-  std::unique_ptr<local::LocalExpertCluster> spawned;
-  if (mode == "local") {
-    local::ExpertProcessOptions e;
-    e.num_groups = m.routing.num_groups;
-    e.num_experts = m.routing.num_experts;
-    e.num_layers = NumMoeLayers(m);
-    e.d_model = m.d_model;
-    e.d_ff = m.d_ff;
-    e.seed = m.seed;
-    e.threads = absl::GetFlag(FLAGS_expert_threads);
-    e.log_dir = absl::StrCat(out_dir, "/experts");
-    e.metrics_port_base = absl::GetFlag(FLAGS_expert_metrics_port);
-    ASSIGN_OR_RETURN(spawned, local::LocalExpertCluster::Start(e));
-    o.remote_experts = true;
-    o.expert_addresses = spawned->addresses();
-    std::cerr << "experts: " << m.routing.num_groups << " himoe-expert processes on "
-              << absl::StrJoin(o.expert_addresses, ", ") << " (logs in " << spawned->log_dir()
-              << ")\n";
-    if (!spawned->metrics_addresses().empty()) {
-      std::cerr << "expert metrics: http://"
-                << absl::StrJoin(spawned->metrics_addresses(), "/metrics, http://") << "/metrics\n";
-    }
-  } else if (mode == "cluster") {
-    ASSIGN_OR_RETURN(const v1::ClusterConfig cluster,
-                     LoadClusterConfig(absl::GetFlag(FLAGS_cluster)));
-    ASSIGN_OR_RETURN(m.routing, router::RoutingConfigFromCluster(cluster));
-    m.d_model = cluster.model().d_model();
-    m.d_ff = cluster.model().d_ff();
-    m.seed = cluster.model().seed();
-    if (NumMoeLayers(m) != cluster.model().num_layers()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--cluster: model.num_layers is ", cluster.model().num_layers(), " but this model has ",
-          NumMoeLayers(m), " MoE layers (--n_layer, --moe_every)"));
-    }
-    o.remote_experts = true;
-    for (const auto& g : cluster.groups()) o.expert_addresses.push_back(g.address());
+// --experts=cluster: the routing, expert sizes and addresses of --cluster.
+absl::Status UseClusterExperts(TrainerOptions* o) {
+  HIMOE_ASSIGN_OR_RETURN(const v1::ClusterConfig cluster,
+                         LoadClusterConfig(absl::GetFlag(FLAGS_cluster)));
+  model::ModelOptions& m = o->model;
+  HIMOE_ASSIGN_OR_RETURN(m.routing, model::RoutingConfigFromCluster(cluster));
+  m.d_model = cluster.model().d_model();
+  m.d_ff = cluster.model().d_ff();
+  m.seed = cluster.model().seed();
+  m.expert_dtype = ExpertShapeFromCluster(cluster).dtype();
+  if (model::NumMoeLayers(m) != cluster.model().num_layers()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--cluster: model.num_layers is ", cluster.model().num_layers(), " but this model has ",
+        model::NumMoeLayers(m), " MoE layers (--n_layer, --moe_every)"));
+  }
+  o->remote_experts = true;
+  for (const auto& g : cluster.groups()) o->expert_addresses.push_back(g.address());
+  return absl::OkStatus();
+}
+
+// Where --experts puts the experts; the local processes when it spawned them.
+absl::StatusOr<std::unique_ptr<local::LocalExpertCluster>> PlaceExperts(
+    const std::string& out_dir, TrainerOptions* o) {
+  const std::string& mode = o->experts_mode;
+  if (mode == "local") return StartLocalExperts(out_dir, o);
+  if (mode == "cluster") {
+    HIMOE_RETURN_IF_ERROR(UseClusterExperts(o));
   } else if (mode != "inprocess") {
     return absl::InvalidArgumentError(absl::StrCat(
         "--experts: expected local, cluster or inprocess, got '", mode, "'"));
   }
+  return nullptr;
+}
 
-  // Metrics first, so the RPC latencies of the first step are seen.
-  auto registry = std::make_shared<prometheus::Registry>();
+// The Prometheus endpoint of --metrics_port (and its RPC hook in `o`).
+struct MetricsEndpoint {
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
   std::unique_ptr<prometheus::Exposer> exposer;
-  std::unique_ptr<TrainerMetrics> metrics;
-  if (const int port = absl::GetFlag(FLAGS_metrics_port); port >= 0) {
-    try {
-      exposer = std::make_unique<prometheus::Exposer>(
-          absl::StrCat(absl::GetFlag(FLAGS_metrics_address), ":", port));
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("--metrics_port ", port, ": ", e.what()));
-    }
-    exposer->RegisterCollectable(registry);
-    metrics = std::make_unique<TrainerMetrics>(*registry, NumMoeLayers(m), m.routing.num_groups,
-                                               m.routing.num_experts);
-    TrainerMetrics* sink = metrics.get();
-    o.on_rpc = [sink](int group, const std::string& rpc, double seconds) {
-      sink->OnRpc(group, rpc, seconds);
-    };
-    std::cerr << "metrics: http://127.0.0.1:" << exposer->GetListeningPorts().front()
-              << "/metrics\n";
-  }
-  ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(o));
-  const std::string checkpoints = absl::StrCat(out_dir, "/checkpoints");
-  if (absl::GetFlag(FLAGS_resume)) {
-    ASSIGN_OR_RETURN(const std::string dir, LatestCheckpoint(checkpoints));
-    RETURN_IF_ERROR(LoadCheckpoint(*trainer, dir));
-    std::cerr << "resumed from " << dir << " at step " << trainer->step() << "\n";
-  }
-  std::cerr << trainer->corpus().Describe() << "\n"
-            << "routing: " << router::RoutingConfigDebugString(m.routing) << "\n";
-  ASSIGN_OR_RETURN(std::unique_ptr<RunLog> log,
-                   RunLog::Create(absl::StrCat(out_dir, "/metrics.jsonl"), o.steps, 50,
-                                  /*append=*/absl::GetFlag(FLAGS_resume)));
-  log->OnConfig(o, mode);
-  const bool tty = isatty(STDERR_FILENO);
-  ASSIGN_OR_RETURN(double val, trainer->Evaluate());
-  log->OnEval(trainer->step(), val);
+  std::unique_ptr<TrainerMetrics> metrics;  // null without --metrics_port
+};
+
+absl::Status StartMetrics(TrainerOptions* o, MetricsEndpoint* endpoint) {
+  const int port = absl::GetFlag(FLAGS_metrics_port);
+  if (port < 0) return absl::OkStatus();
+  HIMOE_ASSIGN_OR_RETURN(
+      endpoint->exposer,
+      StartMetricsEndpoint("--metrics_port", absl::GetFlag(FLAGS_metrics_address), port));
+  endpoint->exposer->RegisterCollectable(endpoint->registry);
+  const model::ModelOptions& m = o->model;
+  endpoint->metrics = std::make_unique<TrainerMetrics>(
+      *endpoint->registry, model::NumMoeLayers(m), m.routing.num_groups, m.routing.num_experts);
+  TrainerMetrics* sink = endpoint->metrics.get();
+  o->on_rpc = [sink](int group, const std::string& rpc, double seconds) {
+    sink->OnRpc(group, rpc, seconds);
+  };
+  std::cerr << "metrics: http://127.0.0.1:" << MetricsPort(*endpoint->exposer) << "/metrics\n";
+  return absl::OkStatus();
+}
+
+// Evaluates and logs; returns the validation loss.
+absl::StatusOr<double> Evaluate(Trainer& trainer, int64_t step, RunLog& log,
+                                TrainerMetrics* metrics) {
+  HIMOE_ASSIGN_OR_RETURN(const double val, trainer.Evaluate());
+  log.OnEval(step, val);
   if (metrics != nullptr) metrics->OnEval(val);
-  const double first_val = val;
-  std::cerr << absl::StrFormat("step %d: val loss %.4f, val ppl %.3f\n", trainer->step(), val,
-                               std::exp(val));
-  while (trainer->step() < o.steps) {
-    if (spawned != nullptr) RETURN_IF_ERROR(spawned->CheckAlive());
-    ASSIGN_OR_RETURN(const StepResult r, trainer->Step());
-    log->OnStep(r);
+  return val;
+}
+
+// Steps until options.steps, evaluating, checkpointing and reporting progress
+// on the way; returns the last validation loss.
+absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
+                                 TrainerMetrics* metrics, local::LocalExpertCluster* spawned,
+                                 const std::string& checkpoints) {
+  const TrainerOptions& o = trainer.options();
+  const bool tty = isatty(STDERR_FILENO);
+  const int64_t every = absl::GetFlag(FLAGS_checkpoint_every);
+  while (trainer.step() < o.steps) {
+    if (spawned != nullptr) HIMOE_RETURN_IF_ERROR(spawned->CheckAlive());
+    HIMOE_ASSIGN_OR_RETURN(const StepResult r, trainer.Step());
+    log.OnStep(r);
     if (metrics != nullptr) metrics->OnStep(r);
     const bool eval = r.step % o.eval_every == 0 || r.step == o.steps;
     if (eval) {
-      ASSIGN_OR_RETURN(val, trainer->Evaluate());
-      log->OnEval(r.step, val);
-      if (metrics != nullptr) metrics->OnEval(val);
+      HIMOE_ASSIGN_OR_RETURN(val, Evaluate(trainer, r.step, log, metrics));
     }
-    const int64_t every = absl::GetFlag(FLAGS_checkpoint_every);
     if (every > 0 && (r.step % every == 0 || r.step == o.steps)) {
-      RETURN_IF_ERROR(SaveCheckpoint(*trainer, checkpoints, absl::GetFlag(FLAGS_keep_checkpoints)));
+      HIMOE_RETURN_IF_ERROR(
+          SaveCheckpoint(trainer, checkpoints, absl::GetFlag(FLAGS_keep_checkpoints)));
     }
     if (tty) {
-      std::cerr << "\r\033[K" << log->ProgressLine() << std::flush;
+      std::cerr << "\r\033[K" << log.ProgressLine() << std::flush;
       if (eval) std::cerr << "\n";
     } else if (r.step % absl::GetFlag(FLAGS_log_every) == 0 || eval) {
-      std::cerr << log->ProgressLine() << "\n";
+      std::cerr << log.ProgressLine() << "\n";
     }
   }
+  return val;
+}
+
+absl::Status Run() {
+  const std::string mode = absl::GetFlag(FLAGS_experts);
+  if (absl::GetFlag(FLAGS_expert_metrics_port) < -1 ||
+      (absl::GetFlag(FLAGS_expert_metrics_port) != -1 && mode != "local")) {
+    return absl::InvalidArgumentError(
+        "--expert_metrics_port: a port >= 0, or -1, and only with --experts=local (the cluster "
+        "file gives a cluster's metrics ports)");
+  }
+  HIMOE_RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
+  HIMOE_ASSIGN_OR_RETURN(TrainerOptions o, OptionsFromFlags());
+  const std::string out_dir = absl::GetFlag(FLAGS_out_dir);
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("--out_dir ", out_dir, ": ", ec.message()));
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<local::LocalExpertCluster> spawned,
+                         PlaceExperts(out_dir, &o));
+  // Metrics first, so the RPC latencies of the first step are seen.
+  MetricsEndpoint endpoint;
+  HIMOE_RETURN_IF_ERROR(StartMetrics(&o, &endpoint));
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(o));
+  const std::string checkpoints = absl::StrCat(out_dir, "/checkpoints");
+  if (absl::GetFlag(FLAGS_resume)) {
+    HIMOE_ASSIGN_OR_RETURN(const std::string dir, model::LatestCheckpoint(checkpoints));
+    HIMOE_RETURN_IF_ERROR(LoadCheckpoint(*trainer, dir));
+    std::cerr << "resumed from " << dir << " at step " << trainer->step() << "\n";
+  }
+  std::cerr << trainer->corpus().Describe() << "\n"
+            << "routing: " << router::RoutingConfigDebugString(o.model.routing) << "\n";
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<RunLog> log,
+                         RunLog::Create(absl::StrCat(out_dir, "/metrics.jsonl"), o.steps, 50,
+                                        /*append=*/absl::GetFlag(FLAGS_resume)));
+  log->OnConfig(RunConfigFor(trainer->options(), trainer->step()));
+  TrainerMetrics* metrics = endpoint.metrics.get();
+  HIMOE_ASSIGN_OR_RETURN(const double first_val,
+                         Evaluate(*trainer, trainer->step(), *log, metrics));
+  std::cerr << absl::StrFormat("step %d: val loss %.4f, val ppl %.3f\n", trainer->step(),
+                               first_val, std::exp(first_val));
+  HIMOE_ASSIGN_OR_RETURN(const double val, TrainLoop(*trainer, first_val, *log, metrics,
+                                                     spawned.get(), checkpoints));
   std::cerr << "\n" << log->FinalReport();
   std::cerr << absl::StrFormat(
       "validation: loss %.4f -> %.4f, perplexity %.3f -> %.3f (task cross-entropy only)\n"
@@ -265,7 +315,12 @@ absl::Status Run() {
 }  // namespace himoe::trainer
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  himoe::ParseCommandLine(
+      argc, argv,
+      "Trains a Hi-MoE language model; dense layers and routers here, experts "
+      "on expert-group services or in this process.\n"
+      "Usage: himoe-trainer [--experts=local|cluster|inprocess] [--cluster=FILE] "
+      "[--data=PATHS] [--out_dir=DIR] [flags]");
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
   const absl::Status status = himoe::trainer::Run();

@@ -8,7 +8,7 @@
 // Same seed (so the same gate and expert weights) and the same input for all.
 // Before timing, remote_fp32 must match local within 1e-4 (max abs) and
 // remote_bf16 within 2e-2 relative (the README's bf16 tolerance). The expert
-// processes are spawned here (--port 0 --port_file) and stopped on every exit
+// processes are spawned here (--address=127.0.0.1:0 --port_file) and stopped on every exit
 // path: normal return, error return, exit(), SIGINT/SIGTERM, and, through
 // PR_SET_PDEATHSIG, a crash or SIGKILL of this process.
 //
@@ -144,11 +144,11 @@ class ExpertCluster {
       return absl::NotFoundError(absl::StrCat("--expert_bin '", bin, "' is not executable"));
     }
     for (int g = 0; g < groups; ++g) {
-      std::vector<std::string> argv = {bin, "--address=127.0.0.1", "--port=0",
+      std::vector<std::string> argv = {bin, "--address=127.0.0.1:0",
                                        absl::StrCat("--port_file=", PortFile(g)),
                                        absl::StrCat("--group_id=", g)};
       argv.insert(argv.end(), common.begin(), common.end());
-      RETURN_IF_ERROR(Spawn(argv, LogFile(g)));
+      HIMOE_RETURN_IF_ERROR(Spawn(argv, LogFile(g)));
     }
     const auto deadline = absl::Now() + timeout;
     ports_.assign(groups, 0);
@@ -346,7 +346,7 @@ class CapturingReporter : public benchmark::ConsoleReporter {
 };
 
 absl::Status Run() {
-  RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
+  HIMOE_RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
   const int cores = DefaultThreadCount();
   const int64_t tokens = absl::GetFlag(FLAGS_tokens);
   const int64_t d = absl::GetFlag(FLAGS_d_model);
@@ -355,11 +355,11 @@ absl::Status Run() {
   const int groups = absl::GetFlag(FLAGS_num_groups);
   int expert_threads = absl::GetFlag(FLAGS_expert_threads);
   if (expert_threads <= 0) expert_threads = std::max(1, cores / groups);
-  ASSIGN_OR_RETURN(const int64_t chunk_bytes, ParseBytes(absl::GetFlag(FLAGS_chunk_bytes)));
+  HIMOE_ASSIGN_OR_RETURN(const int64_t chunk_bytes, ParseBytes(absl::GetFlag(FLAGS_chunk_bytes)));
   std::vector<int64_t> sweep;
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_fp32_chunk_sweep), ',',
                                             absl::SkipEmpty())) {
-    ASSIGN_OR_RETURN(const int64_t b, ParseBytes(s));
+    HIMOE_ASSIGN_OR_RETURN(const int64_t b, ParseBytes(s));
     if (b != chunk_bytes) sweep.push_back(b);
   }
 
@@ -368,8 +368,8 @@ absl::Status Run() {
   routing.num_experts = absl::GetFlag(FLAGS_num_experts);
   routing.num_groups = groups;
   routing.top_k = absl::GetFlag(FLAGS_top_k);
-  RETURN_IF_ERROR(router::ApplyPreset("paper", &routing));
-  RETURN_IF_ERROR(router::ValidateRoutingConfig(routing));
+  HIMOE_RETURN_IF_ERROR(router::ApplyPreset("paper", &routing));
+  HIMOE_RETURN_IF_ERROR(router::ValidateRoutingConfig(routing));
 
   std::printf("himoe-bench: T=%ld d_model=%ld d_ff=%ld N=%d M=%d k=%d himoe eval; cores=%d, "
               "bench threads=%d, %d expert processes x %d threads, chunk_bytes=%s\n",
@@ -378,7 +378,7 @@ absl::Status Run() {
               expert_threads, BytesName(chunk_bytes).c_str());
 
   ExpertCluster cluster;
-  RETURN_IF_ERROR(cluster.Start(
+  HIMOE_RETURN_IF_ERROR(cluster.Start(
       absl::GetFlag(FLAGS_expert_bin), groups,
       {absl::StrCat("--num_groups=", groups), absl::StrCat("--num_experts=", routing.num_experts),
        "--num_layers=1", absl::StrCat("--d_model=", d), absl::StrCat("--d_ff=", d_ff),
@@ -390,45 +390,49 @@ absl::Status Run() {
   const at::Tensor x = at::randn({tokens, d});
 
   router::LocalMoEOptions lo;
+  v1::ExpertShape shape;
+  shape.set_num_experts(routing.num_experts);
+  shape.set_num_groups(routing.num_groups);
+  shape.set_num_layers(1);
+  shape.set_d_model(d);
+  shape.set_d_ff(d_ff);
+  shape.set_seed(seed);
+  shape.set_dtype(v1::DTYPE_FLOAT32);
   lo.routing = routing;
-  lo.d_model = d;
-  lo.d_ff = d_ff;
+  lo.shape = shape;
   lo.layer = 0;
-  lo.seed = seed;
-  ASSIGN_OR_RETURN(std::unique_ptr<LocalMoE> local, LocalMoE::Create(lo));
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<LocalMoE> local, LocalMoE::Create(lo));
 
   auto make_remote = [&](c10::ScalarType wire, int64_t chunk)
       -> absl::StatusOr<std::unique_ptr<RemoteMoE>> {
     router::RemoteMoEOptions o;
     o.routing = routing;
-    o.d_model = d;
-    o.num_layers = 1;
-    o.seed = seed;
+    o.shape = shape;
     o.wire_dtype = wire;
     o.chunk_bytes = chunk;
     for (int g = 0; g < groups; ++g) {
-      router::GroupClientOptions go;
+      expert::ExpertGroupClientOptions go;
       go.addresses = {absl::StrCat("127.0.0.1:", cluster.ports()[g])};
       go.deadline = std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms));
       o.groups.push_back(go);
     }
     return RemoteMoE::Create(o);
   };
-  ASSIGN_OR_RETURN(std::unique_ptr<RemoteMoE> remote_fp32, make_remote(at::kFloat, chunk_bytes));
-  ASSIGN_OR_RETURN(std::unique_ptr<RemoteMoE> remote_bf16,
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<RemoteMoE> remote_fp32, make_remote(at::kFloat, chunk_bytes));
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<RemoteMoE> remote_bf16,
                    make_remote(at::kBFloat16, chunk_bytes));
   std::vector<std::unique_ptr<RemoteMoE>> swept;
   for (const int64_t b : sweep) {
-    ASSIGN_OR_RETURN(std::unique_ptr<RemoteMoE> r, make_remote(at::kFloat, b));
+    HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<RemoteMoE> r, make_remote(at::kFloat, b));
     swept.push_back(std::move(r));
   }
 
   // Correctness once, before timing (this also warms every path up).
   {
     at::NoGradGuard no_grad;
-    ASSIGN_OR_RETURN(const MoEOutput want, local->Forward(x, /*training=*/false));
-    ASSIGN_OR_RETURN(const MoEOutput got32, remote_fp32->Forward(0, x));
-    ASSIGN_OR_RETURN(const MoEOutput got16, remote_bf16->Forward(0, x));
+    HIMOE_ASSIGN_OR_RETURN(const MoEOutput want, local->Forward(x, /*training=*/false));
+    HIMOE_ASSIGN_OR_RETURN(const MoEOutput got32, remote_fp32->Forward(0, x));
+    HIMOE_ASSIGN_OR_RETURN(const MoEOutput got16, remote_bf16->Forward(0, x));
     const double err32 = (got32.output - want.output).abs().max().item<double>();
     const double rel16 =
         ((got16.output - want.output).norm() / want.output.norm()).item<double>();
@@ -441,7 +445,7 @@ absl::Status Run() {
       return absl::InternalError(absl::StrCat("remote_bf16 relative error ", rel16));
     }
     for (size_t i = 0; i < swept.size(); ++i) {
-      ASSIGN_OR_RETURN(const MoEOutput got, swept[i]->Forward(0, x));
+      HIMOE_ASSIGN_OR_RETURN(const MoEOutput got, swept[i]->Forward(0, x));
       const double err = (got.output - want.output).abs().max().item<double>();
       if (!(err <= 1e-4)) {
         return absl::InternalError(absl::StrCat("remote_fp32 with chunk_bytes ", sweep[i],

@@ -357,10 +357,18 @@ def check_variant(objs, variant, stubs):
     # Ports from the flags.
     ports = {}  # component -> {"grpc": n, "metrics": n}
     f = runs[EXPERT][2]
-    C.check(f.get("address", "0.0.0.0") in ("0.0.0.0", "::"),
+    # --address is host:port on every binary (himoe-expert has no --port).
+    C.check("port" not in f, f"{EXPERT}: --port={f.get('port')}: himoe-expert has no --port "
+                             "flag; give the port in --address=HOST:PORT")
+    address = f.get("address") or "0.0.0.0:50051"
+    if not C.check(re.fullmatch(r"(\[[^\]]*\]|[^:]*):\d+", address) is not None,
+                   f"{EXPERT}: --address={address} is not HOST:PORT"):
+        return
+    host, p = port_of(address)
+    C.check(host in ("0.0.0.0", "::"),
             f"{EXPERT}: --address={f.get('address')}: the kubelet's probes and other pods "
             "need it on all interfaces")
-    ports[EXPERT] = {"grpc": int(f.get("port", 50051))}
+    ports[EXPERT] = {"grpc": p}
     f = runs[ROUTER][2]
     host, p = port_of(f.get("address") or cluster.router.address or "0.0.0.0:50050")
     C.check(host in ("0.0.0.0", "::", ""), f"{ROUTER}: listens on {host}, not all interfaces")
@@ -610,7 +618,7 @@ def check_trainer_command(c, cluster_text, stubs):
     final = {}
     cases = [("no checkpoint", None, False),
              ("an incomplete checkpoint", "step_00000100.tmp-x1y2z3/MANIFEST", False),
-             ("a checkpoint without MANIFEST", "step_00000100/meta.txt", False),
+             ("a checkpoint without MANIFEST", "step_00000100/meta.textproto", False),
              ("a complete checkpoint", "step_00000100/MANIFEST", True)]
     binary = None
     for i, (what, file, resume) in enumerate(cases):

@@ -1,6 +1,6 @@
 // himoe-cluster as a subprocess, with the real himoe-expert and himoe-router
 // under it: start, serve, stop on SIGINT; refuse bad cluster files without
-// starting anything; stop everything when a service dies.
+// starting anything; stop everything when a service dies; --help.
 //
 // This process makes itself a child subreaper, so that services the launcher
 // failed to reap (or left behind when killed) are re-parented to the test: the
@@ -324,6 +324,9 @@ TEST_F(LauncherTest, StartsServesAndStopsOnSigint) {
   const std::string expert_log = ReadFile(log_dir_ + "/expert-0.log");
   EXPECT_THAT(expert_log, HasSubstr(std::filesystem::canonical(HIMOE_EXPERT_BINARY).string()));
   EXPECT_THAT(expert_log, HasSubstr("--group_id=0"));
+  // --address is host:port on every binary; the expert has no --port flag.
+  EXPECT_THAT(expert_log, HasSubstr(absl::StrCat("--address=127.0.0.1:", group_ports_[0], " ")));
+  EXPECT_THAT(expert_log, Not(HasSubstr("--port=")));
   EXPECT_THAT(ReadFile(log_dir_ + "/router.log"),
               HasSubstr(std::filesystem::canonical(HIMOE_ROUTER_BINARY).string()));
   EXPECT_THAT(launcher.Stdout(), HasSubstr(log_dir_ + "/expert-1.log"));
@@ -502,6 +505,24 @@ TEST_F(LauncherTest, ReportsAServiceThatNeverGetsReady) {
   EXPECT_TRUE(NoChildLeft());
 }
 
+TEST_F(LauncherTest, HelpListsItsOwnFlags) {
+  const std::string log_dir = dir_.path() + "/logs";
+  LauncherProcess launcher;
+  ASSERT_TRUE(launcher.Start({HIMOE_CLUSTER_BINARY, "--help", "--log_dir=" + log_dir},
+                             dir_.path() + "/stdout.txt", dir_.path() + "/stderr.txt"));
+  const std::optional<int> status = launcher.WaitExit(kExitBound);
+  ASSERT_TRUE(status.has_value()) << "himoe-cluster --help did not exit\n" << launcher.Output();
+  EXPECT_TRUE(WIFEXITED(*status)) << "wait status " << *status;
+  const std::string help = launcher.Output();
+  EXPECT_THAT(help, HasSubstr("Starts every expert group of a cluster file"));
+  for (const char* flag : {"--cluster", "--bin_dir", "--log_dir", "--ready_timeout_s"}) {
+    EXPECT_THAT(help, HasSubstr(flag)) << help;
+  }
+  EXPECT_THAT(help, Not(HasSubstr("No flags matched")));
+  EXPECT_FALSE(Exists(log_dir));
+  EXPECT_TRUE(NoChildLeft());
+}
+
 TEST_F(LauncherTest, RefusesBadInputWithoutStartingAnything) {
   struct Case {
     std::string name;
@@ -557,6 +578,8 @@ router { address: "127.0.0.1:50990" })",
        {"groups[0].metrics_port 70000 is out of range"}},
       {"missing file", "", {"--cluster=/nonexistent/cluster.textproto"}, {"cannot open"}},
       {"no --cluster", "", {}, {"--cluster FILE is required"}},
+      {"positional argument", "", {"cluster.textproto"},
+       {"unexpected argument 'cluster.textproto'"}},
       {"binaries not found", good, {"--bin_dir=/nonexistent"}, {"cannot find the himoe-expert"}},
   };
   for (size_t i = 0; i < cases.size(); ++i) {

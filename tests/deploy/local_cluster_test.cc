@@ -1,6 +1,8 @@
 // LocalExpertCluster (deploy/local/local_cluster.h) with the real himoe-expert:
 // start, answer Info, stop (explicitly, twice, by destruction), report a dead
-// group, refuse a bad binary, and take the experts down with a dead parent.
+// group, refuse a bad binary, and take the experts down with a dead parent;
+// the Info shape handshake; and ServiceSet (deploy/local/process_set.h) with
+// stand-in shell services.
 //
 // This process makes itself a child subreaper, so that experts orphaned by a
 // dead parent (the death test) are re-parented here and can be reaped; every
@@ -31,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "deploy/local/local_cluster.h"
+#include "deploy/local/process_set.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "tests/http_get.h"
 
@@ -134,12 +137,13 @@ class TempDir {
 ExpertProcessOptions TinyOptions(const std::string& log_dir) {
   ExpertProcessOptions o;
   o.binary = HIMOE_EXPERT_BINARY;
-  o.num_groups = 2;
-  o.num_experts = 4;
-  o.num_layers = 1;
-  o.d_model = 16;
-  o.d_ff = 32;
-  o.seed = 3;
+  o.shape.set_num_groups(2);
+  o.shape.set_num_experts(4);
+  o.shape.set_num_layers(1);
+  o.shape.set_d_model(16);
+  o.shape.set_d_ff(32);
+  o.shape.set_seed(3);
+  o.shape.set_dtype(v1::DTYPE_FLOAT32);
   o.threads = 1;
   o.log_dir = log_dir;
   o.ready_timeout = kReadyTimeout;
@@ -155,16 +159,24 @@ grpc::Status Info(const std::string& address, v1::ExpertInfoResponse* info) {
   return stub->Info(&context, v1::ExpertInfoRequest(), info);
 }
 
-class LocalExpertClusterTest : public ::testing::Test {
+// A subreaper with a fresh directory that checks it leaves no child behind.
+class ChildrenTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
     ASSERT_FALSE(dir_.path().empty());
-    ASSERT_TRUE(Exists(HIMOE_EXPERT_BINARY));
   }
   void TearDown() override { EXPECT_EQ(KillAllChildren(), 0) << "children were left behind"; }
 
   TempDir dir_;
+};
+
+class LocalExpertClusterTest : public ChildrenTest {
+ protected:
+  void SetUp() override {
+    ASSERT_NO_FATAL_FAILURE(ChildrenTest::SetUp());
+    ASSERT_TRUE(Exists(HIMOE_EXPERT_BINARY));
+  }
 };
 
 TEST_F(LocalExpertClusterTest, StartsAnswersInfoAndStops) {
@@ -194,8 +206,9 @@ TEST_F(LocalExpertClusterTest, StartsAnswersInfoAndStops) {
     const std::string log = ReadFile(absl::StrCat(log_dir, "/expert-", g, ".log"));
     EXPECT_THAT(log, StartsWith("# "));
     EXPECT_THAT(log, HasSubstr(absl::StrCat("--group_id=", g)));
-    EXPECT_THAT(log, HasSubstr("--address=127.0.0.1"));
-    EXPECT_THAT(log, HasSubstr("--port=0"));
+    EXPECT_THAT(log, HasSubstr("--address=127.0.0.1:0 "));
+    EXPECT_THAT(log, Not(HasSubstr("--port=")));
+    EXPECT_THAT(log, HasSubstr("--seed=3 --dtype=float32 "));
     EXPECT_TRUE(Exists(absl::StrCat(log_dir, "/expert-", g, ".pid")));
   }
   EXPECT_NE(cluster.addresses()[0], cluster.addresses()[1]);
@@ -216,6 +229,32 @@ TEST_F(LocalExpertClusterTest, StartsAnswersInfoAndStops) {
   EXPECT_EQ(cluster.pids(), pids);
   EXPECT_EQ(cluster.CheckAlive().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(NoChildLeft());
+}
+
+TEST_F(LocalExpertClusterTest, InfoHandshakeRefusesAnotherShapeOrGroup) {
+  const ExpertProcessOptions options = TinyOptions(dir_.path() + "/logs");
+  absl::StatusOr<std::unique_ptr<LocalExpertCluster>> started = LocalExpertCluster::Start(options);
+  ASSERT_TRUE(started.ok()) << started.status();
+  const std::shared_ptr<grpc::Channel> channel = ProbeChannel((*started)->addresses()[1]);
+
+  EXPECT_TRUE(ProbeExpertInfo(channel, 1, options.shape).ok());
+
+  v1::ExpertShape other = options.shape;
+  other.set_seed(4);
+  other.set_dtype(v1::DTYPE_BFLOAT16);
+  const absl::Status shape = ProbeExpertInfo(channel, 1, other);
+  EXPECT_EQ(shape.code(), absl::StatusCode::kFailedPrecondition) << shape;
+  EXPECT_THAT(shape.message(), HasSubstr("group 1 serves seed 3, dtype float32"));
+  EXPECT_THAT(shape.message(), HasSubstr("needs seed 4, dtype bfloat16"));
+  EXPECT_THAT(shape.message(), Not(HasSubstr("d_model")));
+
+  const absl::Status group = ProbeExpertInfo(channel, 0, options.shape);
+  EXPECT_EQ(group.code(), absl::StatusCode::kFailedPrecondition) << group;
+  EXPECT_THAT(group.message(), HasSubstr("Info answered group 1 (expected group 0)"));
+  EXPECT_THAT(group.message(), HasSubstr("another service holds this port"));
+
+  (*started)->Stop();
+  EXPECT_EQ(ProbeExpertInfo(channel, 1, options.shape).code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(LocalExpertClusterTest, ServesEachGroupsMetricsWhenAsked) {
@@ -323,17 +362,28 @@ TEST_F(LocalExpertClusterTest, RefusesABadBinaryWithoutStartingAnything) {
 
   // Nothing to start.
   options = TinyOptions(log_dir);
-  options.num_groups = 0;
+  options.shape.set_num_groups(0);
   started = LocalExpertCluster::Start(options);
   ASSERT_FALSE(started.ok());
   EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(started.status().message(), HasSubstr("num_groups"));
+  EXPECT_TRUE(NoChildLeft());
+
+  // A shape without a dtype is refused, not sent as "DTYPE_UNSPECIFIED".
+  options = TinyOptions(log_dir);
+  options.shape.clear_dtype();
+  started = LocalExpertCluster::Start(options);
+  ASSERT_FALSE(started.ok());
+  EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(started.status().message(), HasSubstr("dtype"));
+  EXPECT_FALSE(Exists(log_dir));
   EXPECT_TRUE(NoChildLeft());
 }
 
 TEST_F(LocalExpertClusterTest, ReportsAProcessThatExitsAtOnce) {
   // An executable that is not a himoe-expert: it prints a line and fails.
   const std::string fake = dir_.path() + "/fake-expert";
-  WriteFile(fake, "#!/bin/sh\necho fake expert refuses \"$3\"\nexit 3\n");
+  WriteFile(fake, "#!/bin/sh\necho fake expert refuses \"$2\"\nexit 3\n");
   ASSERT_EQ(chmod(fake.c_str(), 0755), 0);
   const std::string log_dir = dir_.path() + "/logs";
   ExpertProcessOptions options = TinyOptions(log_dir);
@@ -429,6 +479,127 @@ TEST_F(LocalExpertClusterTest, ExpertsDieWithTheirParent) {
           << "wait status " << status;
     }
   }
+  EXPECT_TRUE(NoChildLeft());
+}
+
+// --- ServiceSet with stand-in shell services ----------------------------------
+
+class ServiceSetTest : public ChildrenTest {
+ protected:
+  // An executable shell script in the test directory.
+  std::string Script(const std::string& name, const std::string& body) {
+    const std::string path = dir_.path() + "/" + name;
+    WriteFile(path, "#!/bin/sh\n" + body);
+    EXPECT_EQ(chmod(path.c_str(), 0755), 0);
+    return path;
+  }
+
+  // A service running `script` with its port file as $1.
+  ServiceSpec Spec(const std::string& name, const std::string& script) {
+    ServiceSpec spec;
+    spec.name = name;
+    spec.log_path = absl::StrCat(dir_.path(), "/", name, ".log");
+    spec.pid_file = absl::StrCat(dir_.path(), "/", name, ".pid");
+    spec.port_file = absl::StrCat(dir_.path(), "/", name, ".port");
+    spec.argv = {script, spec.port_file};
+    return spec;
+  }
+};
+
+TEST_F(ServiceSetTest, ReportsAServiceWithoutPortFileWithItsLogTail) {
+  ServiceSet set;
+  const std::string script = Script("silent", "echo silent service up\nexec sleep 600\n");
+  ServiceSpec spec = Spec("silent", script);
+  spec.address = "127.0.0.1:50999";
+  spec.probe = [](const std::shared_ptr<grpc::Channel>&) { return absl::OkStatus(); };
+  // A stale port file from an earlier run does not count as ready.
+  WriteFile(spec.port_file, "50999\n");
+  ASSERT_TRUE(set.Start(spec).ok());
+  EXPECT_FALSE(Exists(spec.port_file));
+
+  const absl::Status ready =
+      set.WaitUntilReady(Clock::now(), std::chrono::seconds(7), std::chrono::milliseconds(10));
+  EXPECT_EQ(ready.code(), absl::StatusCode::kDeadlineExceeded) << ready;
+  EXPECT_THAT(ready.message(), HasSubstr("silent at 127.0.0.1:50999 (pid "));
+  EXPECT_THAT(ready.message(), HasSubstr("is not ready after 7 s"));
+  EXPECT_THAT(ready.message(), HasSubstr("no port file yet"));
+  EXPECT_THAT(ready.message(), HasSubstr(spec.log_path));
+  EXPECT_THAT(ready.message(), HasSubstr(absl::StrCat("    | # ", script, " ", spec.port_file)));
+  EXPECT_FALSE(set[0].ready);
+
+  set.Stop();
+  EXPECT_TRUE(set.stopped());
+  EXPECT_TRUE(ProcessGone(set.pids()[0]));
+  EXPECT_FALSE(Exists(spec.pid_file));
+  EXPECT_TRUE(NoChildLeft());
+}
+
+TEST_F(ServiceSetTest, ReadsThePortFileProbesWatchesAndStops) {
+  ServiceSet set;
+  ServiceSpec spec =
+      Spec("svc", Script("svc", "echo 4321 5432 > \"$1\"\nexec sleep 600\n"));
+  spec.want_metrics_port = true;
+  int probes = 0;
+  spec.probe = [&probes](const std::shared_ptr<grpc::Channel>& channel) {
+    // Not ready on the first probe: the set keeps probing.
+    return ++probes < 2 ? absl::UnavailableError("warming up") : absl::OkStatus();
+  };
+  ASSERT_TRUE(set.Start(spec).ok());
+  ASSERT_TRUE(Exists(spec.pid_file));
+  const absl::Status ready = set.WaitUntilReady(Clock::now() + kReadyTimeout, kReadyTimeout,
+                                                std::chrono::milliseconds(10));
+  ASSERT_TRUE(ready.ok()) << ready;
+  EXPECT_EQ(probes, 2);
+  EXPECT_TRUE(set[0].ready);
+  ASSERT_TRUE(set[0].ports.has_value());
+  EXPECT_EQ(set[0].ports->port, 4321);
+  EXPECT_EQ(set[0].ports->metrics_port, 5432);
+  EXPECT_EQ(set[0].address, "127.0.0.1:4321");  // none configured: dial_host:port
+  EXPECT_TRUE(set.CheckAlive().ok());
+
+  // Ready services are not probed again.
+  ASSERT_TRUE(set.WaitUntilReady(Clock::now(), kReadyTimeout, std::chrono::milliseconds(10)).ok());
+  EXPECT_EQ(probes, 2);
+
+  const int pid = set.pids()[0];
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  absl::Status alive;
+  const auto until = Clock::now() + kGoneBound;
+  while ((alive = set.CheckAlive()).ok() && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(alive.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(alive.message(),
+              HasSubstr(absl::StrCat("svc (pid ", pid, ", 127.0.0.1:4321) was killed by signal 9")));
+
+  set.Stop();
+  EXPECT_FALSE(Exists(spec.pid_file));
+  EXPECT_FALSE(Exists(spec.port_file));
+  EXPECT_TRUE(NoChildLeft());
+}
+
+TEST_F(ServiceSetTest, KillsWhatIgnoresSigtermAfterTheGrace) {
+  ServiceSet set;
+  // Each writes its port file once its SIGTERM disposition is in place.
+  ASSERT_TRUE(set.Start(Spec("stubborn", Script("stubborn", "trap '' TERM\necho 1 > \"$1\"\n"
+                                                            "exec sleep 600\n")))
+                  .ok());
+  ASSERT_TRUE(
+      set.Start(Spec("polite", Script("polite", "echo 2 > \"$1\"\nexec sleep 600\n"))).ok());
+  const absl::Status ready = set.WaitUntilReady(Clock::now() + kReadyTimeout, kReadyTimeout,
+                                                std::chrono::milliseconds(10));
+  ASSERT_TRUE(ready.ok()) << ready;
+  std::vector<std::string> killed;
+  StopOptions options;
+  options.grace = std::chrono::seconds(1);
+  options.on_kill = [&killed](const ChildProcess& c) { killed.push_back(c.name()); };
+  set.Stop(options);
+  EXPECT_EQ(killed, std::vector<std::string>{"stubborn"});
+  for (size_t i = 0; i < 2; ++i) ASSERT_TRUE(WIFSIGNALED(set[i].process.wait_status()));
+  EXPECT_EQ(WTERMSIG(set[0].process.wait_status()), SIGKILL);
+  EXPECT_EQ(WTERMSIG(set[1].process.wait_status()), SIGTERM);
+  set.Stop(options);  // a no-op
+  EXPECT_EQ(killed.size(), 1u);
   EXPECT_TRUE(NoChildLeft());
 }
 

@@ -80,7 +80,7 @@ host_ip() { echo "${kSubnet}.$((11 + $1))"; }
 model_flags=(--num_groups=${kGroups} --num_experts=8 --num_layers=2 --d_model=32 --d_ff=64
   --seed=1)
 for ((g = 0; g < kGroups; ++g)); do
-  ip netns exec "${hosts[g]}" "${expert_bin}" --address="$(host_ip "${g}")" --port=${kPort} \
+  ip netns exec "${hosts[g]}" "${expert_bin}" --address="$(host_ip "${g}"):${kPort}" \
     --group_id=${g} "${model_flags[@]}" --threads=1 --port_file="${work}/expert${g}.port" \
     >"${work}/expert${g}.log" 2>&1 &
 done

@@ -1,29 +1,36 @@
 #include "expert_service/expert_group.h"
 
 #include <cmath>
+#include <string>
 
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 namespace himoe::expert {
 namespace {
 
-ExpertGroupOptions Options(int group_id) {
-  ExpertGroupOptions o;
-  o.group_id = group_id;
-  o.experts_per_group = 3;
-  o.d_model = 8;
-  o.d_ff = 12;
-  o.layer = 2;
-  o.seed = 42;
-  return o;
+using ::testing::HasSubstr;
+
+const c10::Device kCpu(c10::kCPU);
+
+// M = 2 groups of 3 experts; group 1 holds experts 3, 4, 5.
+v1::ExpertShape Shape(v1::DType dtype = v1::DTYPE_FLOAT32) {
+  v1::ExpertShape s;
+  s.set_num_experts(6);
+  s.set_num_groups(2);
+  s.set_num_layers(4);
+  s.set_d_model(8);
+  s.set_d_ff(12);
+  s.set_seed(42);
+  s.set_dtype(dtype);
+  return s;
 }
 
 TEST(ExpertGroupTest, WeightsDependOnlyOnSeedLayerAndExpert) {
-  auto a = ExpertGroup::Create(Options(1));
-  auto b = ExpertGroup::Create(Options(1));
-  ExpertGroupOptions other_layer = Options(1);
-  other_layer.layer = 3;
-  auto c = ExpertGroup::Create(other_layer);
+  auto a = ExpertGroup::Create(Shape(), 1, 2, kCpu);
+  auto b = ExpertGroup::Create(Shape(), 1, 2, kCpu);
+  auto c = ExpertGroup::Create(Shape(), 1, 3, kCpu);
   ASSERT_TRUE(a.ok() && b.ok() && c.ok());
   for (size_t i = 0; i < 4; ++i) {
     EXPECT_TRUE(at::equal((*a)->parameters()[i], (*b)->parameters()[i]));
@@ -32,10 +39,28 @@ TEST(ExpertGroupTest, WeightsDependOnlyOnSeedLayerAndExpert) {
   // nn.Linear init bound 1/sqrt(fan_in).
   EXPECT_LE((*a)->parameters()[0].abs().max().item<double>(), 1 / std::sqrt(8.0));
   EXPECT_EQ((*a)->first_expert(), 3);
+  EXPECT_EQ((*a)->experts_per_group(), 3);
+  EXPECT_EQ((*a)->group_id(), 1);
+  EXPECT_EQ((*a)->layer(), 2);
+  EXPECT_TRUE((*a)->owns(5));
+  EXPECT_FALSE((*a)->owns(6));
+}
+
+TEST(ExpertGroupTest, AnExpertIsTheSameWhateverGroupHoldsIt) {
+  // One group of all 6 experts holds group 1's experts 3..5 at rows 3..5.
+  v1::ExpertShape whole = Shape();
+  whole.set_num_groups(1);
+  auto all = ExpertGroup::Create(whole, 0, 2, kCpu);
+  auto part = ExpertGroup::Create(Shape(), 1, 2, kCpu);
+  ASSERT_TRUE(all.ok() && part.ok());
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_TRUE(at::equal((*all)->parameters()[i].narrow(0, 3, 3), (*part)->parameters()[i]))
+        << (*part)->named_parameters()[i].first;
+  }
 }
 
 TEST(ExpertGroupTest, ForwardAppliesEachRowsOwnExpert) {
-  auto group = ExpertGroup::Create(Options(1));
+  auto group = ExpertGroup::Create(Shape(), 1, 2, kCpu);
   ASSERT_TRUE(group.ok());
   const at::Tensor rows = at::randn({7, 8});
   const at::Tensor ids = at::tensor({5, 3, 4, 5, 3, 3, 5}, at::kLong);
@@ -52,7 +77,7 @@ TEST(ExpertGroupTest, ForwardAppliesEachRowsOwnExpert) {
 }
 
 TEST(ExpertGroupTest, RejectsExpertOutsideGroupAndWrongWidth) {
-  auto group = ExpertGroup::Create(Options(1));
+  auto group = ExpertGroup::Create(Shape(), 1, 2, kCpu);
   ASSERT_TRUE(group.ok());
   auto outside = (*group)->Forward(at::randn({2, 8}), at::tensor({3, 6}, at::kLong));
   EXPECT_EQ(outside.status().code(), absl::StatusCode::kInvalidArgument);
@@ -60,16 +85,29 @@ TEST(ExpertGroupTest, RejectsExpertOutsideGroupAndWrongWidth) {
   auto width = (*group)->Forward(at::randn({2, 9}), at::tensor({3, 4}, at::kLong));
   EXPECT_EQ(width.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(width.status().message().find("d_model=8"), std::string::npos);
-  ExpertGroupOptions bad = Options(0);
-  bad.dtype = at::kDouble;
-  EXPECT_EQ(ExpertGroup::Create(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ExpertGroup::Create(Shape(v1::DTYPE_INT64), 0, 2, kCpu).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ExpertGroupTest, RejectsAGroupOrLayerOutsideTheShape) {
+  const auto message = [](int group_id, int layer) {
+    const absl::Status s = ExpertGroup::Create(Shape(), group_id, layer, kCpu).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    return std::string(s.message());
+  };
+  EXPECT_THAT(message(2, 0), HasSubstr("group_id: 2 is outside [0, 2)"));
+  EXPECT_THAT(message(-1, 0), HasSubstr("group_id: -1 is outside [0, 2)"));
+  EXPECT_THAT(message(0, 4), HasSubstr("layer 4 is outside [0, 4)"));
+  v1::ExpertShape uneven = Shape();
+  uneven.set_num_experts(7);
+  EXPECT_THAT(std::string(ExpertGroup::Create(uneven, 0, 0, kCpu).status().message()),
+              HasSubstr("num_experts (N=7) must be a multiple of num_groups (M=2)"));
 }
 
 TEST(ExpertGroupTest, Bf16GroupComputesInBf16) {
-  ExpertGroupOptions o = Options(0);
-  o.dtype = at::kBFloat16;
-  auto group = ExpertGroup::Create(o);
+  auto group = ExpertGroup::Create(Shape(v1::DTYPE_BFLOAT16), 0, 2, kCpu);
   ASSERT_TRUE(group.ok());
+  EXPECT_EQ((*group)->dtype(), at::kBFloat16);
   auto out = (*group)->Forward(at::randn({4, 8}), at::tensor({0, 1, 2, 0}, at::kLong));
   ASSERT_TRUE(out.ok());
   EXPECT_EQ(out->scalar_type(), at::kBFloat16);
@@ -77,10 +115,8 @@ TEST(ExpertGroupTest, Bf16GroupComputesInBf16) {
 
 TEST(ExpertGroupTest, CudaDeviceWhenAvailable) {
   if (!at::hasCUDA()) GTEST_SKIP() << "LibTorch has no CUDA on this machine";
-  ExpertGroupOptions o = Options(0);
-  o.device = c10::Device("cuda:0");
-  auto cpu = ExpertGroup::Create(Options(0));
-  auto gpu = ExpertGroup::Create(o);
+  auto cpu = ExpertGroup::Create(Shape(), 0, 2, kCpu);
+  auto gpu = ExpertGroup::Create(Shape(), 0, 2, c10::Device("cuda:0"));
   ASSERT_TRUE(cpu.ok() && gpu.ok());
   const at::Tensor rows = at::randn({5, 8});
   const at::Tensor ids = at::tensor({0, 1, 2, 1, 0}, at::kLong);

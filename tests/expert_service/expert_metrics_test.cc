@@ -10,6 +10,7 @@
 
 #include "common/tensor_codec.h"
 #include "expert_service/expert_grpc_service.h"
+#include "tests/expert_service/expert_test_util.h"
 #include "tests/http_get.h"
 
 namespace himoe::expert {
@@ -17,12 +18,9 @@ namespace {
 
 TEST(ExpertMetricsTest, CountsRowsBytesAndComputeTimePerExpert) {
   ExpertServerOptions o;
-  o.core.group_id = 2;
-  o.core.num_groups = 4;
-  o.core.num_experts = 8;  // group 2 holds experts 4 and 5
-  o.core.num_layers = 2;
-  o.core.d_model = 8;
-  o.core.d_ff = 16;
+  o.core.group_id = 2;  // of 4 groups of 8 experts: experts 4 and 5
+  o.core.shape = testing::MakeShape(/*num_experts=*/8, /*num_groups=*/4, /*num_layers=*/2,
+                                    /*d_model=*/8, /*d_ff=*/16, /*seed=*/0);
   auto server = ExpertServer::Start(o);
   ASSERT_TRUE(server.ok()) << server.status();
   auto metrics = std::make_shared<ExpertMetrics>((*server)->core());

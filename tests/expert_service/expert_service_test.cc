@@ -1,3 +1,4 @@
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -9,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <future>
+#include <iterator>
 #include <limits>
 #include <optional>
 #include <string>
@@ -18,16 +20,20 @@
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <grpcpp/generic/generic_stub.h>
+#include <google/protobuf/util/message_differencer.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "common/tensor_codec.h"
+#include "expert_service/expert_client.h"
 #include "expert_service/expert_group.h"
 #include "expert_service/expert_grpc_service.h"
-#include "tests/expert_service/expert_test_util.h"
 #include "expert_service/expert_service_core.h"
+#include "expert_service/state_stream.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "proto/grpc_status.h"
+#include "tests/expert_service/expert_test_util.h"
 
 extern char** environ;
 
@@ -36,9 +42,11 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::Decode;
 using testing::Encode;
 using testing::GroupLike;
+using testing::MakeShape;
 using testing::MaxAbsDiff;
 
 constexpr int kGroup = 1;
@@ -51,23 +59,17 @@ constexpr uint64_t kSeed = 42;
 constexpr int64_t kMaxTokens = 64;
 
 ExpertServiceOptions CoreOptions(uint64_t seed = kSeed,
-                                 c10::ScalarType dtype = c10::kFloat) {
+                                 v1::DType dtype = v1::DTYPE_FLOAT32) {
   ExpertServiceOptions o;
+  o.shape = MakeShape(kNumExperts, kNumGroups, kLayers, kD, kDff, seed, dtype);
   o.group_id = kGroup;
-  o.num_groups = kNumGroups;
-  o.num_experts = kNumExperts;
-  o.num_layers = kLayers;
-  o.d_model = kD;
-  o.d_ff = kDff;
-  o.seed = seed;
-  o.dtype = dtype;
   o.max_tokens_per_request = kMaxTokens;
   return o;
 }
 
 // The oracle: the group as router_service/local_moe.cc builds it.
 std::unique_ptr<ExpertGroup> LocalGroup(int layer, uint64_t seed = kSeed,
-                                        c10::ScalarType dtype = c10::kFloat) {
+                                        v1::DType dtype = v1::DTYPE_FLOAT32) {
   return GroupLike(CoreOptions(seed, dtype), layer);
 }
 
@@ -177,6 +179,8 @@ TEST_F(ExpertServiceTest, InfoDescribesTheGroup) {
   EXPECT_EQ(info.version(), kExpertServiceVersion);
   EXPECT_EQ(info.num_experts(), kNumExperts);
   EXPECT_EQ(info.num_groups(), kNumGroups);
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(info.shape(), CoreOptions().shape))
+      << info.shape().DebugString();
 }
 
 TEST_F(ExpertServiceTest, Fp32ForwardEqualsLocalExpertGroup) {
@@ -530,7 +534,7 @@ TEST_F(ExpertServiceTest, ReflectionListsTheServices) {
 }
 
 TEST(ExpertServiceCoreTest, Bf16GroupAnswersInTheRequestDtype) {
-  auto core = ExpertServiceCore::Create(CoreOptions(kSeed, c10::kBFloat16));
+  auto core = ExpertServiceCore::Create(CoreOptions(kSeed, v1::DTYPE_BFLOAT16));
   ASSERT_TRUE(core.ok()) << core.status();
   EXPECT_EQ((*core)->Info().dtype, c10::kBFloat16);
   const at::Tensor rows = at::randn({5, kD});
@@ -544,17 +548,21 @@ TEST(ExpertServiceCoreTest, Bf16GroupAnswersInTheRequestDtype) {
 
 TEST(ExpertServiceCoreTest, RejectsBadOptions) {
   ExpertServiceOptions o = CoreOptions();
-  o.num_experts = 7;
+  o.shape.set_num_experts(7);
   EXPECT_THAT(std::string(ExpertServiceCore::Create(o).status().message()),
-              HasSubstr("num_experts: 7 must be a positive multiple of num_groups (4)"));
+              HasSubstr("num_experts (N=7) must be a multiple of num_groups (M=4)"));
   o = CoreOptions();
   o.group_id = 4;
   EXPECT_THAT(std::string(ExpertServiceCore::Create(o).status().message()),
               HasSubstr("group_id: 4 is outside [0, 4)"));
   o = CoreOptions();
-  o.dtype = c10::kHalf;
+  o.shape.set_dtype(v1::DTYPE_FLOAT16);
   EXPECT_EQ(ExpertServiceCore::Create(o).status().code(),
             absl::StatusCode::kInvalidArgument);
+  o = CoreOptions();
+  o.shape.set_num_layers(0);
+  EXPECT_THAT(std::string(ExpertServiceCore::Create(o).status().message()),
+              HasSubstr("num_layers must be >= 1, got 0"));
 }
 
 TEST(StateChunkTest, AssemblerRejectsMalformedStreams) {
@@ -640,6 +648,111 @@ TEST(StateFileTest, SaveAndLoadRoundTrip) {
   std::remove(path.c_str());
 }
 
+// --- ExpertGroupClient ----------------------------------------------------------
+
+std::unique_ptr<ExpertGroupClient> Client(int group_id, std::vector<std::string> addresses) {
+  ExpertGroupClientOptions o;
+  o.group_id = group_id;
+  o.addresses = std::move(addresses);
+  o.deadline = std::chrono::seconds(60);
+  auto client = ExpertGroupClient::Create(o);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+TEST_F(ExpertServiceTest, CheckInfoRefusesAnotherSeedOrDtype) {
+  auto client = Client(kGroup, {server_->address()});
+  const absl::Status same = client->CheckInfo(CoreOptions().shape);
+  EXPECT_TRUE(same.ok()) << same;
+
+  const absl::Status seed = client->CheckInfo(CoreOptions(/*seed=*/7).shape);
+  EXPECT_EQ(seed.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(seed.message()),
+              HasSubstr("expert service at " + server_->address() + " (group 1)"));
+  EXPECT_THAT(std::string(seed.message()), HasSubstr("serves seed 42; the model needs seed 7"));
+
+  const absl::Status dtype = client->CheckInfo(CoreOptions(kSeed, v1::DTYPE_BFLOAT16).shape);
+  EXPECT_EQ(dtype.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(dtype.message()),
+              HasSubstr("serves dtype float32; the model needs dtype bfloat16"));
+
+  const absl::Status both = client->CheckInfo(CoreOptions(7, v1::DTYPE_BFLOAT16).shape);
+  EXPECT_THAT(std::string(both.message()),
+              HasSubstr("serves seed 42, dtype float32; the model needs seed 7, dtype bfloat16"));
+
+  const absl::Status group = Client(kGroup + 1, {server_->address()})->CheckInfo(
+      CoreOptions().shape);
+  EXPECT_EQ(group.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(group.message()), HasSubstr("serves group 1; expected group 2"));
+
+  // Info fails over: a dead first address, then the service.
+  const absl::Status failover =
+      Client(kGroup, {"127.0.0.1:1", server_->address()})->CheckInfo(CoreOptions().shape);
+  EXPECT_TRUE(failover.ok()) << failover;
+}
+
+TEST_F(ExpertServiceTest, ClientStateRoundTripsInChunks) {
+  auto client = Client(kGroup, {server_->address()});
+  auto fetched = client->GetState(/*include_optimizer=*/false);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  auto served = server_->core()->GetState();
+  ASSERT_TRUE(served.ok());
+  ASSERT_EQ(fetched->size(), served->size());
+  for (size_t i = 0; i < served->size(); ++i) {
+    EXPECT_EQ((*fetched)[i].first, (*served)[i].first);
+    EXPECT_TRUE(at::equal((*fetched)[i].second, (*served)[i].second)) << (*served)[i].first;
+  }
+
+  auto other = ExpertServiceCore::Create(CoreOptions(/*seed=*/7));
+  ASSERT_TRUE(other.ok());
+  auto other_state = (*other)->GetState();
+  ASSERT_TRUE(other_state.ok());
+  const absl::Status set = client->SetState(*other_state, /*chunk_bytes=*/100);
+  ASSERT_TRUE(set.ok()) << set;
+  auto now = server_->core()->GetState();
+  ASSERT_TRUE(now.ok());
+  for (size_t i = 0; i < now->size(); ++i) {
+    EXPECT_TRUE(at::equal((*now)[i].second, (*other_state)[i].second)) << (*now)[i].first;
+  }
+
+  // A refused tensor comes back as the service's error, naming the group.
+  const absl::Status bad = client->SetState({{"layer9.w1", at::zeros({2, kDff, kD})}});
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("expert group 1 at " + server_->address()));
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("unknown tensor name 'layer9.w1'"));
+}
+
+TEST(FanOutTest, WaitsForEveryCallAndReturnsTheFirstError) {
+  int started = 0;
+  EXPECT_TRUE(FanOut(0, [&](size_t, ExpertGroupClient::Done) { ++started; }).ok());
+  EXPECT_EQ(started, 0);
+
+  EXPECT_TRUE(FanOut(3, [](size_t, ExpertGroupClient::Done done) {
+                done(absl::OkStatus());
+              }).ok());
+
+  // Completions in call order: the first error to arrive wins.
+  const absl::Status first = FanOut(4, [](size_t i, ExpertGroupClient::Done done) {
+    done(i == 1   ? absl::UnavailableError("call 1")
+         : i == 3 ? absl::InternalError("call 3")
+                  : absl::OkStatus());
+  });
+  EXPECT_EQ(first, absl::UnavailableError("call 1"));
+
+  // Completions on other threads: FanOut returns once all of them are done.
+  std::vector<std::thread> threads;
+  std::atomic<int> finished{0};
+  const absl::Status late = FanOut(3, [&](size_t i, ExpertGroupClient::Done done) {
+    threads.emplace_back([&finished, i, done = std::move(done)] {
+      finished.fetch_add(1);
+      done(i == 2 ? absl::DeadlineExceededError("call 2") : absl::OkStatus());
+    });
+  });
+  EXPECT_EQ(finished.load(), 3);
+  EXPECT_EQ(late, absl::DeadlineExceededError("call 2"));
+  for (std::thread& t : threads) t.join();
+}
+
 // --- The real binary ----------------------------------------------------------
 
 // Kills and reaps the child in every path out of the test.
@@ -651,11 +764,26 @@ class ChildProcess {
       waitpid(pid_, nullptr, 0);
     }
   }
-  bool Spawn(const std::vector<std::string>& args) {
+  // With `output`, stdout and stderr go to that file, and glog to stderr.
+  bool Spawn(const std::vector<std::string>& args, const std::string& output = "") {
     std::vector<char*> argv;
     for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
-    return posix_spawn(&pid_, argv[0], nullptr, nullptr, argv.data(), environ) == 0;
+    std::vector<char*> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (output.empty() || !absl::StartsWith(*e, "GLOG_")) env.push_back(*e);
+    }
+    env.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    if (!output.empty()) {
+      posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, output.c_str(),
+                                       O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    }
+    const int rc = posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), env.data());
+    posix_spawn_file_actions_destroy(&actions);
+    return rc == 0;
   }
   // Reaps the child if it has exited; returns its wait status.
   std::optional<int> TryWait() {
@@ -666,11 +794,69 @@ class ChildProcess {
     }
     return std::nullopt;
   }
+  // Waits for the exit until `give_up` (so that a hung child fails the test).
+  std::optional<int> WaitUntil(std::chrono::steady_clock::time_point give_up) {
+    std::optional<int> exited;
+    while (!exited && std::chrono::steady_clock::now() < give_up) {
+      exited = TryWait();
+      if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return exited;
+  }
   pid_t pid() const { return pid_; }
 
  private:
   pid_t pid_ = -1;
 };
+
+struct Finished {
+  std::optional<int> status;  // wait status; none if it did not exit
+  std::string output;         // stdout and stderr
+};
+
+// Runs himoe-expert with `args` to its exit.
+Finished RunExpertBinary(const std::vector<std::string>& args) {
+  static int runs = 0;
+  const std::string output = ::testing::TempDir() + "/expert_output_" +
+                             std::to_string(getpid()) + "_" + std::to_string(runs++);
+  std::vector<std::string> argv = {HIMOE_EXPERT_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  Finished finished;
+  ChildProcess child;
+  EXPECT_TRUE(child.Spawn(argv, output));
+  finished.status = child.WaitUntil(std::chrono::steady_clock::now() + std::chrono::seconds(120));
+  std::ifstream in(output);
+  finished.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  std::remove(output.c_str());
+  return finished;
+}
+
+TEST(ExpertBinaryTest, HelpListsItsOwnFlags) {
+  const Finished run = RunExpertBinary({"--help"});
+  ASSERT_TRUE(run.status.has_value()) << "himoe-expert --help did not exit";
+  EXPECT_TRUE(WIFEXITED(*run.status)) << "wait status " << *run.status;
+  EXPECT_THAT(run.output, HasSubstr("Serves one expert group of a Hi-MoE model over gRPC."));
+  for (const char* flag : {"--address", "--group_id", "--num_groups", "--num_experts",
+                           "--seed", "--dtype", "--port_file", "--metrics_port"}) {
+    EXPECT_THAT(run.output, HasSubstr(flag));
+  }
+  EXPECT_THAT(run.output, HasSubstr("default: \"0.0.0.0:50051\""));
+  EXPECT_THAT(run.output, Not(HasSubstr("No flags matched")));
+  EXPECT_THAT(run.output, Not(HasSubstr("--port (")));  // --address holds the port
+}
+
+TEST(ExpertBinaryTest, AddressWithoutPortIsRefused) {
+  const Finished run = RunExpertBinary({"--address=127.0.0.1", "--threads=1"});
+  ASSERT_TRUE(run.status.has_value()) << "himoe-expert did not exit";
+  ASSERT_TRUE(WIFEXITED(*run.status)) << "wait status " << *run.status;
+  EXPECT_EQ(WEXITSTATUS(*run.status), 1);
+  EXPECT_THAT(run.output, HasSubstr("--address: '127.0.0.1' is not host:port"));
+
+  const Finished port = RunExpertBinary({"--port=0"});
+  ASSERT_TRUE(port.status.has_value());
+  EXPECT_NE(*port.status, 0);
+  EXPECT_THAT(port.output, HasSubstr("Unknown command line flag 'port'"));
+}
 
 TEST(ExpertBinaryTest, ServesUntilSigterm) {
   const std::string dir = ::testing::TempDir();
@@ -683,7 +869,7 @@ TEST(ExpertBinaryTest, ServesUntilSigterm) {
   ASSERT_TRUE(SaveStateToFile(**seeded, state_file, 1000).ok());
 
   ChildProcess child;
-  ASSERT_TRUE(child.Spawn({HIMOE_EXPERT_BINARY, "--address=127.0.0.1", "--port=0",
+  ASSERT_TRUE(child.Spawn({HIMOE_EXPERT_BINARY, "--address=127.0.0.1:0",
                            "--port_file=" + port_file, "--group_id=1", "--num_groups=4",
                            "--num_experts=8", "--num_layers=2", "--d_model=16",
                            "--d_ff=32", "--seed=42", "--threads=1",
@@ -727,11 +913,7 @@ TEST(ExpertBinaryTest, ServesUntilSigterm) {
   // (up to 5 s), which is as long as a graceful shutdown then waits: close it.
   stub.reset();
   ASSERT_EQ(kill(child.pid(), SIGTERM), 0);
-  std::optional<int> exited;
-  while (!exited && std::chrono::steady_clock::now() < give_up + std::chrono::seconds(60)) {
-    exited = child.TryWait();
-    if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  const std::optional<int> exited = child.WaitUntil(give_up + std::chrono::seconds(60));
   ASSERT_TRUE(exited.has_value()) << "himoe-expert did not exit after SIGTERM";
   EXPECT_TRUE(WIFEXITED(*exited)) << "wait status " << *exited;
   EXPECT_EQ(WEXITSTATUS(*exited), 0);

@@ -1,6 +1,7 @@
 #ifndef HIMOE_TESTS_EXPERT_SERVICE_EXPERT_TEST_UTIL_H_
 #define HIMOE_TESTS_EXPERT_SERVICE_EXPERT_TEST_UTIL_H_
 
+#include <cstdint>
 #include <memory>
 
 #include <ATen/ATen.h>
@@ -9,21 +10,28 @@
 #include "common/tensor_codec.h"
 #include "expert_service/expert_group.h"
 #include "expert_service/expert_service_core.h"
+#include "himoe/v1/model.pb.h"
 
 namespace himoe::expert::testing {
+
+inline v1::ExpertShape MakeShape(int num_experts, int num_groups, int num_layers,
+                                 int64_t d_model, int64_t d_ff, uint64_t seed,
+                                 v1::DType dtype = v1::DTYPE_FLOAT32) {
+  v1::ExpertShape shape;
+  shape.set_num_experts(num_experts);
+  shape.set_num_groups(num_groups);
+  shape.set_num_layers(num_layers);
+  shape.set_d_model(d_model);
+  shape.set_d_ff(d_ff);
+  shape.set_seed(seed);
+  shape.set_dtype(dtype);
+  return shape;
+}
 
 // The oracle: the ExpertGroup a service with `core` options holds for
 // `layer`, built locally (as router_service/local_moe.cc builds it).
 inline std::unique_ptr<ExpertGroup> GroupLike(const ExpertServiceOptions& core, int layer) {
-  ExpertGroupOptions g;
-  g.group_id = core.group_id;
-  g.experts_per_group = core.num_experts / core.num_groups;
-  g.d_model = core.d_model;
-  g.d_ff = core.d_ff;
-  g.layer = layer;
-  g.seed = core.seed;
-  g.dtype = core.dtype;
-  auto group = ExpertGroup::Create(g);
+  auto group = ExpertGroup::Create(core.shape, core.group_id, layer, c10::Device(c10::kCPU));
   EXPECT_TRUE(group.ok()) << group.status();
   return group.ok() ? std::move(group).value() : nullptr;
 }

@@ -27,6 +27,7 @@
 #include "expert_service/expert_grpc_service.h"
 #include "expert_service/expert_optimizer.h"
 #include "expert_service/expert_service_core.h"
+#include "expert_service/state_stream.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "tests/expert_service/expert_test_util.h"
 
@@ -38,6 +39,7 @@ using ::testing::HasSubstr;
 using testing::Decode;
 using testing::Encode;
 using testing::GroupLike;
+using testing::MakeShape;
 using testing::MaxAbsDiff;
 
 constexpr int kGroup = 1;
@@ -52,13 +54,8 @@ using Inputs = std::vector<std::pair<int, at::Tensor>>;  // (expert id, rows)
 
 ExpertServiceOptions CoreOptions(absl::Duration ttl = absl::Seconds(300)) {
   ExpertServiceOptions o;
+  o.shape = MakeShape(kNumExperts, kNumGroups, kLayers, kD, kDff, kSeed);
   o.group_id = kGroup;
-  o.num_groups = kNumGroups;
-  o.num_experts = kNumExperts;
-  o.num_layers = kLayers;
-  o.d_model = kD;
-  o.d_ff = kDff;
-  o.seed = kSeed;
   o.saved_state_ttl = ttl;
   return o;
 }

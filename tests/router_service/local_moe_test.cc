@@ -86,9 +86,7 @@ TEST_P(LocalMoETest, ForwardAndBackwardMatchDenseReference) {
   ASSERT_TRUE(ApplyPreset(tc.preset, &o.routing).ok());
   if (tc.capacity_factor >= 0) o.routing.capacity_factor = tc.capacity_factor;
   o.routing.tau = 0.2;  // visible correction
-  o.d_model = kD;
-  o.d_ff = kDff;
-  o.seed = 99;
+  o.shape = testing::Shape(8, 4, kD, kDff, 99);
   auto moe_or = LocalMoE::Create(o);
   ASSERT_TRUE(moe_or.ok()) << moe_or.status();
   LocalMoE& moe = **moe_or;
@@ -150,11 +148,9 @@ TEST(LocalMoEBf16Test, Bf16ExpertsStayWithinDocumentedTolerance) {
   at::manual_seed(4);
   LocalMoEOptions o;
   o.routing = testing::Config(RoutingMethod::kHiMoe, 8, 4, 1);
-  o.d_model = kD;
-  o.d_ff = kDff;
-  o.seed = 5;
+  o.shape = testing::Shape(8, 4, kD, kDff, 5);
   auto fp32 = LocalMoE::Create(o);
-  o.expert_dtype = at::kBFloat16;
+  o.shape.set_dtype(v1::DTYPE_BFLOAT16);
   auto bf16 = LocalMoE::Create(o);
   ASSERT_TRUE(fp32.ok() && bf16.ok());
   const at::Tensor x = at::randn({kTokens, kD});
@@ -170,8 +166,7 @@ TEST(LocalMoEBf16Test, Bf16ExpertsStayWithinDocumentedTolerance) {
 TEST(LocalMoETest, RejectsWrongWidth) {
   LocalMoEOptions o;
   o.routing = testing::Config(RoutingMethod::kHiMoe, 8, 4, 1);
-  o.d_model = kD;
-  o.d_ff = kDff;
+  o.shape = testing::Shape(8, 4, kD, kDff, 0);
   auto moe = LocalMoE::Create(o);
   ASSERT_TRUE(moe.ok());
   auto out = (*moe)->Forward(at::randn({3, kD + 1}), false);

@@ -160,11 +160,9 @@ TEST_F(PythonClientTest, RouteForwardFromPythonMatchesLocalMoE) {
   }
   RouterServerOptions o;
   o.moe.routing = testing::Config(RoutingMethod::kHiMoe, kN, kM, kK);
-  o.moe.d_model = kD;
-  o.moe.num_layers = kLayers;
-  o.moe.seed = kSeed;
+  o.moe.shape = testing::Shape();
   for (int g = 0; g < kM; ++g) {
-    GroupClientOptions go;
+    expert::ExpertGroupClientOptions go;
     go.addresses = {Loopback(experts_[g]->port())};
     go.deadline = std::chrono::milliseconds(5000);
     o.moe.groups.push_back(go);
@@ -177,10 +175,8 @@ TEST_F(PythonClientTest, RouteForwardFromPythonMatchesLocalMoE) {
   const at::Tensor x = at::randn({kTokens, kD});
   LocalMoEOptions lo;
   lo.routing = o.moe.routing;
-  lo.d_model = kD;
-  lo.d_ff = kDff;
+  lo.shape = testing::Shape();
   lo.layer = kLayer;
-  lo.seed = kSeed;
   auto moe = LocalMoE::Create(lo);
   ASSERT_TRUE(moe.ok()) << moe.status();
   at::NoGradGuard no_grad;

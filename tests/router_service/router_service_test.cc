@@ -13,6 +13,7 @@
 #include <prometheus/exposer.h>
 #include <prometheus/registry.h>
 
+#include "absl/strings/str_cat.h"
 #include "common/tensor_codec.h"
 #include "expert_service/expert_grpc_service.h"
 #include "proto/grpc_status.h"
@@ -46,11 +47,9 @@ class RouterServiceTest : public ::testing::Test {
   RouterServerOptions Options(RoutingMethod method) {
     RouterServerOptions o;
     o.moe.routing = testing::Config(method, kN, kM, kK);
-    o.moe.d_model = kD;
-    o.moe.num_layers = kLayers;
-    o.moe.seed = kSeed;
+    o.moe.shape = testing::Shape();
     for (int g = 0; g < kM; ++g) {
-      GroupClientOptions go;
+      expert::ExpertGroupClientOptions go;
       go.addresses = {Loopback(experts_[g]->port())};
       go.deadline = std::chrono::milliseconds(5000);
       o.moe.groups.push_back(go);
@@ -89,10 +88,8 @@ class RouterServiceTest : public ::testing::Test {
   MoEOutput Reference(const RoutingConfig& routing, int layer, const at::Tensor& x) {
     LocalMoEOptions o;
     o.routing = routing;
-    o.d_model = kD;
-    o.d_ff = kDff;
+    o.shape = testing::Shape();
     o.layer = layer;
-    o.seed = kSeed;
     auto moe = LocalMoE::Create(o);
     EXPECT_TRUE(moe.ok()) << moe.status();
     at::NoGradGuard no_grad;
@@ -270,6 +267,28 @@ TEST_F(RouterServiceTest, FailsOverToReplica) {
   auto got = Route(0, x);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_LE(MaxAbsDiff(Output(*got), Reference(o.moe.routing, 0, x).output), 1e-5);
+}
+
+// A group (here a replica) serving experts of another seed would answer with
+// other weights: the router refuses to start, naming the address and field.
+TEST_F(RouterServiceTest, RefusesAGroupThatServesOtherExperts) {
+  expert::ExpertServerOptions eo;
+  eo.address = "127.0.0.1:0";
+  eo.core.shape = testing::Shape();
+  eo.core.shape.set_seed(kSeed + 1);
+  eo.core.group_id = 2;
+  auto other = expert::ExpertServer::Start(eo);
+  ASSERT_TRUE(other.ok()) << other.status();
+  RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+  o.moe.groups[2].addresses.push_back(Loopback((*other)->port()));
+  auto router = RouterServer::Start(o);
+  ASSERT_FALSE(router.ok());
+  EXPECT_EQ(router.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(router.status().message()),
+              HasSubstr(absl::StrCat(Loopback((*other)->port()), " (group 2) serves seed ",
+                                     kSeed + 1, "; the model needs seed ", kSeed)));
+  o.verify_groups = false;  // the check can be turned off
+  EXPECT_TRUE(RouterServer::Start(o).ok());
 }
 
 // An expert service that never answers in time.

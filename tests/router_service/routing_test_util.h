@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "himoe/v1/model.pb.h"
 #include "router_service/router_layer.h"
 #include "router_service/routing_config.h"
 
@@ -55,6 +56,19 @@ inline RoutingConfig Config(RoutingMethod method, int n, int m, int k) {
   c.num_groups = m;
   c.top_k = k;
   return c;
+}
+
+// The experts of a one-layer float32 MoE with N experts in M groups.
+inline v1::ExpertShape Shape(int n, int m, int64_t d_model, int64_t d_ff, uint64_t seed) {
+  v1::ExpertShape s;
+  s.set_num_experts(n);
+  s.set_num_groups(m);
+  s.set_num_layers(1);
+  s.set_d_model(d_model);
+  s.set_d_ff(d_ff);
+  s.set_seed(seed);
+  s.set_dtype(v1::DTYPE_FLOAT32);
+  return s;
 }
 
 inline std::unique_ptr<RouterLayer> MakeRouter(const RoutingConfig& config,

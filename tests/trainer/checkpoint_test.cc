@@ -21,8 +21,12 @@
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
+#include <google/protobuf/text_format.h>
 #include <gtest/gtest.h>
 
+#include "himoe/v1/model.pb.h"
+#include "model/checkpoint_reader.h"
+#include "router_service/routing_config.h"
 #include "tests/trainer/trainer_test_util.h"
 #include "trainer/trainer.h"
 
@@ -30,6 +34,8 @@ namespace himoe::trainer {
 namespace {
 
 namespace fs = std::filesystem;
+using model::CheckpointDirName;
+using model::LatestCheckpoint;
 using ::testing::HasSubstr;
 using testing::CorpusText;
 using testing::ExpertCluster;
@@ -280,7 +286,7 @@ TEST(CheckpointTest, DirectoryLayoutAndManifest) {
   const fs::path dir = root.path() / "step_00000001";
   EXPECT_EQ(Entries(dir),
             (std::vector<std::string>{"MANIFEST", "data.txt", "dense.pt", "experts_g0.pt",
-                                      "experts_g1.pt", "meta.txt", "optimizer.pt"}));
+                                      "experts_g1.pt", "meta.textproto", "optimizer.pt"}));
   const std::string manifest = ReadAll(dir / "MANIFEST");
   std::istringstream lines(manifest);
   std::set<std::string> listed;
@@ -290,15 +296,24 @@ TEST(CheckpointTest, DirectoryLayoutAndManifest) {
     listed.insert(line.substr(66));
   }
   EXPECT_EQ(listed, (std::set<std::string>{"data.txt", "dense.pt", "experts_g0.pt",
-                                           "experts_g1.pt", "meta.txt", "optimizer.pt"}));
+                                           "experts_g1.pt", "meta.textproto", "optimizer.pt"}));
   // The MANIFEST is in sha256sum's format, and its digests are right.
   const std::string check =
       "cd '" + dir.string() + "' && sha256sum --check --quiet --strict MANIFEST";
   EXPECT_EQ(std::system(check.c_str()), 0) << check;
-  const std::string meta = ReadAll(dir / "meta.txt");
-  EXPECT_THAT(meta, HasSubstr("step 1\n"));
-  EXPECT_THAT(meta, HasSubstr("method himoe\n"));
-  EXPECT_THAT(meta, HasSubstr("d_model 32\n"));
+  // The meta data: a RunConfig in text format with every setting.
+  v1::RunConfig meta;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(ReadAll(dir / "meta.textproto"),
+                                                            &meta));
+  EXPECT_EQ(meta.format(), "himoe-checkpoint-2");
+  EXPECT_EQ(meta.step(), 1);
+  EXPECT_EQ(meta.model().routing().method(), "himoe");
+  EXPECT_EQ(meta.model().d_model(), 32);
+  EXPECT_DOUBLE_EQ(meta.model().routing().loss_free_rate(), 0.05);
+  EXPECT_DOUBLE_EQ(meta.model().routing().lambda_intra(), 0.1);
+  EXPECT_EQ(meta.model().routing().inter_form(), "selected_weights");
+  EXPECT_EQ(meta.training().batch_size(), 4);
+  EXPECT_EQ(meta.training().grad_accum(), 2);
   auto fresh = MakeTrainer(o);
   ASSERT_NE(fresh, nullptr);
   EXPECT_TRUE(LoadCheckpoint(*fresh, dir.string()).ok());
@@ -406,19 +421,61 @@ TEST(CheckpointTest, MissingListedFileIsDataLoss) {
   EXPECT_THAT(s.message(), HasSubstr("optimizer.pt"));
 }
 
-TEST(CheckpointTest, OtherMethodIsRefused) {
+// Saves `saved`'s trainer after one step, then loads that checkpoint into a
+// fresh `resumed` trainer; expects the trainer untouched when refused.
+absl::Status ResumeWith(const TrainerOptions& saved, const TrainerOptions& resumed) {
   TempDir root;
-  auto t = MakeTrainer(SmallOptions(router::RoutingMethod::kHiMoe));
-  ASSERT_NE(t, nullptr);
-  ASSERT_TRUE(t->Step().ok());
-  ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
-  auto other = MakeTrainer(SmallOptions(router::RoutingMethod::kLossFree));
-  ASSERT_NE(other, nullptr);
+  auto t = MakeTrainer(saved);
+  if (t == nullptr) return absl::InternalError("no trainer");
+  EXPECT_TRUE(t->Step().ok());
+  EXPECT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  auto other = MakeTrainer(resumed);
+  if (other == nullptr) return absl::InternalError("no trainer");
   const auto before = FullState(*other);
   const absl::Status s = LoadCheckpoint(*other, root.str() + "/" + CheckpointDirName(1));
+  if (!s.ok()) {
+    ExpectStatesEqual(before, FullState(*other));
+    EXPECT_EQ(other->step(), 0);
+  }
+  return s;
+}
+
+TEST(CheckpointTest, OtherMethodIsRefused) {
+  const absl::Status s = ResumeWith(SmallOptions(router::RoutingMethod::kHiMoe),
+                                    SmallOptions(router::RoutingMethod::kLossFree));
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_THAT(s.message(), HasSubstr("method"));
-  ExpectStatesEqual(before, FullState(*other));
+  EXPECT_THAT(s.message(),
+              HasSubstr("model.routing.method: \"himoe\" in the checkpoint, \"loss_free\" in "
+                        "this run"));
+}
+
+// --resume with another --preset: the paper's formulas in the checkpoint,
+// the released code's in this run.
+TEST(CheckpointTest, OtherPresetIsRefusedNamingTheFields) {
+  const TrainerOptions paper = SmallOptions(router::RoutingMethod::kHiMoe);
+  TrainerOptions reference = paper;
+  ASSERT_TRUE(router::ApplyPreset("reference", &reference.model.routing).ok());
+  const absl::Status s = ResumeWith(paper, reference);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(),
+              HasSubstr("model.routing.renormalize: false in the checkpoint, true in this run"));
+  EXPECT_THAT(s.message(), HasSubstr("model.routing.inter_form: \"selected_weights\" in the "
+                                     "checkpoint, \"dense_group_mass\" in this run"));
+  EXPECT_THAT(s.message(), HasSubstr("model.routing.capacity_factor: 0 in the checkpoint, 2 in "
+                                     "this run"));
+}
+
+TEST(CheckpointTest, OtherLambdaIntraIsRefusedNamingTheField) {
+  const TrainerOptions saved = SmallOptions(router::RoutingMethod::kHiMoe);
+  TrainerOptions resumed = saved;
+  resumed.model.routing.lambda_intra = 0.2;
+  const absl::Status s = ResumeWith(saved, resumed);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(),
+              HasSubstr("model.routing.lambda_intra: 0.1 in the checkpoint, 0.2 in this run"));
+  // The same settings resume.
+  EXPECT_TRUE(ResumeWith(saved, saved).ok());
 }
 
 TEST(CheckpointTest, MissingDirectoryIsNotFound) {

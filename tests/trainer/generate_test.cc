@@ -1,8 +1,8 @@
 // Generate: a trained checkpoint served through 4 expert-group services (and
-// over the router's gRPC stream) samples exactly what the in-process
-// reference samples; sampling is deterministic per seed; greedy decoding is
-// the argmax of the model's next-token logits.
-#include "trainer/generator.h"
+// over the router's gRPC stream, on the router's own MoE layers) samples
+// exactly what the in-process reference samples; sampling is deterministic
+// per seed; greedy decoding is the argmax of the model's next-token logits.
+#include "model/generator.h"
 
 #include <algorithm>
 #include <memory>
@@ -16,16 +16,22 @@
 #include <grpcpp/security/credentials.h>
 #include <gtest/gtest.h>
 
-#include "himoe/v1/router.grpc.pb.h"
+#include "common/status_macros.h"
 #include "common/tensor_codec.h"
+#include "himoe/v1/router.grpc.pb.h"
+#include "model/checkpoint_reader.h"
+#include "model/model_config.h"
 #include "router_service/router_grpc_service.h"
 #include "tests/trainer/trainer_test_util.h"
+#include "trainer/backend_moe.h"
 #include "trainer/checkpoint.h"
+#include "trainer/expert_backend.h"
 #include "trainer/trainer.h"
 
 namespace himoe::trainer {
 namespace {
 
+using model::Generator;
 using ::testing::HasSubstr;
 using testing::ExpertCluster;
 using TempDir = testing::TempDir;
@@ -86,17 +92,40 @@ const Checkpoints& Trained() {
   return *c;
 }
 
-std::unique_ptr<Generator> MakeGenerator(const std::string& checkpoint,
+// A checkpoint's Generator over BackendMoE on an expert backend: in this
+// process, or on the services at `addresses`. The returned pointer owns the
+// backend and the MoE layers too.
+std::shared_ptr<Generator> MakeGenerator(const std::string& checkpoint,
                                          const std::vector<std::string>& addresses = {},
                                          bool load_expert_state = true) {
-  GeneratorOptions o;
-  o.checkpoint = checkpoint;
-  o.expert_addresses = addresses;
-  o.load_expert_state = load_expert_state;
-  o.max_new_tokens_limit = 512;
-  auto g = Generator::Create(o);
-  EXPECT_TRUE(g.ok()) << g.status();
-  return g.ok() ? std::move(g).value() : nullptr;
+  struct Stack {
+    std::unique_ptr<ExpertBackend> experts;
+    std::unique_ptr<BackendMoE> moe;
+    std::unique_ptr<Generator> generator;
+  };
+  auto stack = std::make_shared<Stack>();
+  const absl::Status built = [&]() -> absl::Status {
+    HIMOE_ASSIGN_OR_RETURN(const model::CheckpointContents contents,
+                           model::ReadCheckpoint(checkpoint));
+    ExpertBackendOptions eo;
+    eo.shape = model::ExpertShapeFor(contents.model);
+    eo.addresses = addresses;
+    if (addresses.empty()) {
+      HIMOE_ASSIGN_OR_RETURN(stack->experts, CreateInProcessBackend(eo));
+    } else {
+      HIMOE_ASSIGN_OR_RETURN(stack->experts, CreateRemoteBackend(eo));
+    }
+    HIMOE_ASSIGN_OR_RETURN(stack->moe, BackendMoE::Create(contents.model, stack->experts.get()));
+    model::GeneratorOptions go;
+    go.load_expert_state = load_expert_state;
+    go.max_new_tokens_limit = 512;
+    HIMOE_ASSIGN_OR_RETURN(stack->generator,
+                           Generator::Create(contents, stack->moe.get(), go));
+    return absl::OkStatus();
+  }();
+  EXPECT_TRUE(built.ok()) << built;
+  if (!built.ok()) return nullptr;
+  return std::shared_ptr<Generator>(stack, stack->generator.get());
 }
 
 std::vector<int64_t> Bytes(const std::string& s) {
@@ -105,9 +134,9 @@ std::vector<int64_t> Bytes(const std::string& s) {
   return out;
 }
 
-router::GenerateParams Params(const std::string& prompt, int n, double temperature, int top_k,
+model::GenerateParams Params(const std::string& prompt, int n, double temperature, int top_k,
                               uint64_t seed) {
-  router::GenerateParams p;
+  model::GenerateParams p;
   p.prompt = Bytes(prompt);
   p.max_new_tokens = n;
   p.temperature = temperature;
@@ -116,7 +145,7 @@ router::GenerateParams Params(const std::string& prompt, int n, double temperatu
   return p;
 }
 
-std::vector<int64_t> Sample(Generator& g, const router::GenerateParams& p) {
+std::vector<int64_t> Sample(Generator& g, const model::GenerateParams& p) {
   std::vector<int64_t> tokens;
   const absl::Status s = g.Generate(p, [&](int64_t t) {
     tokens.push_back(t);
@@ -135,7 +164,7 @@ double PrintableShare(const std::vector<int64_t>& tokens) {
 
 TEST(GenerateTest, CheckpointCarriesTheModelAsTrained) {
   const Checkpoints& c = Trained();
-  auto contents = ReadCheckpoint(c.trained);  // the root: its newest checkpoint
+  auto contents = model::ReadCheckpoint(c.trained);  // the root: its newest checkpoint
   ASSERT_TRUE(contents.ok()) << contents.status();
   EXPECT_EQ(contents->step, kTrainSteps);
   EXPECT_EQ(contents->model.d_model, 48);
@@ -234,24 +263,32 @@ class RouterGenerateTest : public ::testing::Test {
     cluster_ = std::make_unique<ExpertCluster>(c.options);
     reference_ = MakeGenerator(c.trained);
     ASSERT_NE(reference_, nullptr);
-    generator_ = MakeGenerator(c.trained, cluster_->addresses());
-    ASSERT_NE(generator_, nullptr);
+    auto contents = model::ReadCheckpoint(c.trained);
+    ASSERT_TRUE(contents.ok()) << contents.status();
     router::RouterServerOptions o;
     o.moe.routing = c.options.model.routing;
-    o.moe.d_model = c.options.model.d_model;
-    o.moe.num_layers = NumMoeLayers(c.options.model);
-    o.moe.seed = c.options.model.seed;
+    o.moe.shape = model::ExpertShapeFor(c.options.model);
     for (int g = 0; g < 4; ++g) {
-      router::GroupClientOptions go;
+      expert::ExpertGroupClientOptions go;
       go.group_id = g;
       go.addresses = {cluster_->addresses()[g]};
       o.moe.groups.push_back(go);
     }
-    o.generator = generator_;
+    // As himoe-router --checkpoint: the LM on the router's own MoE layers.
+    o.make_generator = [contents = std::make_shared<const model::CheckpointContents>(
+                            *std::move(contents))](model::MoELayers& moe)
+        -> absl::StatusOr<std::shared_ptr<model::TextGenerator>> {
+      model::GeneratorOptions go;
+      go.max_new_tokens_limit = 512;
+      HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<Generator> generator,
+                             Generator::Create(*contents, &moe, go));
+      return std::shared_ptr<model::TextGenerator>(std::move(generator));
+    };
     auto server = router::RouterServer::Start(o);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(server).value();
-    o.generator = nullptr;
+    ASSERT_NE(server_->generator(), nullptr);
+    o.make_generator = nullptr;
     auto plain = router::RouterServer::Start(o);
     ASSERT_TRUE(plain.ok()) << plain.status();
     plain_ = std::move(plain).value();
@@ -287,8 +324,7 @@ class RouterGenerateTest : public ::testing::Test {
   }
 
   std::unique_ptr<ExpertCluster> cluster_;
-  std::shared_ptr<Generator> generator_;
-  std::unique_ptr<Generator> reference_;
+  std::shared_ptr<Generator> reference_;
   std::unique_ptr<router::RouterServer> server_, plain_;
 };
 
@@ -313,33 +349,31 @@ TEST_F(RouterGenerateTest, StreamsTheReferenceSample) {
   EXPECT_EQ(again, tokens);
 }
 
-// himoe-router --checkpoint also routes RouteForward with the trained routers.
+// himoe-router --checkpoint also routes RouteForward with the trained routers:
+// the generator restored them into the router's MoE layers.
 TEST_F(RouterGenerateTest, RouteForwardUsesTheTrainedRouters) {
   auto stub = Stub(server_->port());
+  auto plain = Stub(plain_->port());
   const at::Tensor x = at::randn({32, 48}, at::TensorOptions().dtype(at::kFloat));
-  const auto route = [&](int layer) {
+  const auto route = [&](v1::RouterService::Stub& s, int layer) {
     v1::RouteForwardRequest request;
     request.set_layer(layer);
     request.set_return_routing(true);
     EXPECT_TRUE(EncodeTensor(x, request.mutable_hidden()).ok());
     v1::RouteForwardResponse response;
     grpc::ClientContext context;
-    const grpc::Status s = stub->RouteForward(&context, request, &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
+    const grpc::Status status = s.RouteForward(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
     auto ids = DecodeTensor(response.expert_ids(), "expert_ids");
     EXPECT_TRUE(ids.ok());
     return ids.ok() ? *ids : at::Tensor();
   };
-  std::vector<at::Tensor> want;
   for (int layer = 0; layer < 2; ++layer) {
     auto routed = reference_->router(layer).Route(x, /*training=*/false);
     ASSERT_TRUE(routed.ok());
-    want.push_back(routed->expert_ids);
-    EXPECT_FALSE(at::equal(route(layer), want[layer])) << "seeded gates, layer " << layer;
-  }
-  ASSERT_TRUE(generator_->CopyRoutersTo(server_->moe()).ok());
-  for (int layer = 0; layer < 2; ++layer) {
-    EXPECT_TRUE(at::equal(route(layer), want[layer])) << "trained gates, layer " << layer;
+    const at::Tensor want = routed->expert_ids;
+    EXPECT_FALSE(at::equal(route(*plain, layer), want)) << "seeded gates, layer " << layer;
+    EXPECT_TRUE(at::equal(route(*stub, layer), want)) << "trained gates, layer " << layer;
   }
 }
 

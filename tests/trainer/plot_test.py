@@ -92,7 +92,8 @@ def cv(load):
 tmp = tempfile.mkdtemp(prefix="himoe-plot-test-")
 runs, reported_cv = {}, {}
 for method in ("himoe", "vanilla", "loss_free"):
-    out = os.path.join(tmp, method)
+    # Not named after the method: the scatter labels must come from the config line.
+    out = os.path.join(tmp, f"run_{method}")
     r = subprocess.run([TRAINER, *TINY, f"--method={method}", f"--out_dir={out}"],
                        capture_output=True, text=True)
     if r.returncode != 0:
@@ -102,6 +103,15 @@ for method in ("himoe", "vanilla", "loss_free"):
     table = re.findall(r"^(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", r.stderr, re.M)
     check(len(table) == LAYERS, f"{method}: trainer balance table has {LAYERS} layers")
     reported_cv[method] = sum(float(t[1]) for t in table) / max(1, len(table))
+    # The config line opens the JSONL: the run's settings as a RunConfig.
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        config = json.loads(f.readline())
+    check(config.get("kind") == "config" and
+          config.get("model", {}).get("routing", {}).get("method") == method and
+          config["model"].get("n_layer") == LAYERS and
+          config["model"]["routing"].get("num_experts") == EXPERTS and
+          config.get("training", {}).get("experts") == "inprocess",
+          f"{method}: config line {config}")
 
 # --- One run: images and the data behind them. ---------------------------------------
 run = runs["himoe"]

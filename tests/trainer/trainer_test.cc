@@ -10,9 +10,16 @@
 #include <string>
 #include <vector>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <ATen/ATen.h>
+
+#include "absl/status/status.h"
+#include "common/torch_runtime.h"
+#include "model/model_config.h"
 #include "tests/trainer/trainer_test_util.h"
+#include "trainer/expert_backend.h"
 
 namespace himoe::trainer {
 namespace {
@@ -52,6 +59,7 @@ TrainerOptions SmallOptions(router::RoutingMethod method) {
   return o;
 }
 
+using ::testing::HasSubstr;
 using testing::ExpertCluster;
 
 std::map<std::string, at::Tensor> AllParameters(Trainer& t) {
@@ -153,6 +161,70 @@ TEST(RemoteTrainingTest, AbortedStepFreesSavedStateAndStepIsIdempotent) {
   for (size_t i = 0; i < state->size(); ++i) {
     EXPECT_TRUE(at::equal((*state)[i].second, (*again)[i].second)) << (*state)[i].first;
   }
+}
+
+// A group that goes away mid-run fails the step as UNAVAILABLE (or
+// DEADLINE_EXCEEDED) naming the group, through the autograd bridge; not as
+// INTERNAL.
+TEST(RemoteTrainingTest, UnreachableGroupFailsTheStepAsUnavailable) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster cluster(o);
+  auto t = Trainer::Create(cluster.Remote(o));
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE((*t)->Step().ok());
+  cluster.Shutdown(2);
+  auto r = (*t)->Step();
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(absl::IsUnavailable(r.status()) || absl::IsDeadlineExceeded(r.status()))
+      << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("expert group 2"));
+  EXPECT_EQ((*t)->step(), 1);
+}
+
+// A group lost between Forward and Backward: the error thrown inside the
+// autograd engine's backward comes out as UNAVAILABLE naming the group, not
+// as an INTERNAL "torch error".
+TEST(RemoteTrainingTest, GroupLostBeforeBackwardStaysUnavailable) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster cluster(o);
+  ExpertBackendOptions bo;
+  bo.shape = model::ExpertShapeFor(o.model);
+  bo.addresses = cluster.addresses();
+  bo.deadline = std::chrono::milliseconds(5000);
+  auto backend = CreateRemoteBackend(bo);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const int per_group = bo.shape.num_experts() / bo.shape.num_groups();
+  std::vector<at::Tensor> rows, ids;
+  for (int g = 0; g < bo.shape.num_groups(); ++g) {
+    rows.push_back(at::randn({3, bo.shape.d_model()}).requires_grad_());
+    ids.push_back(at::full({3}, g * per_group, at::kLong));
+  }
+  auto out = (*backend)->Forward(/*layer=*/0, /*step=*/1, /*micro_batch=*/0, rows, ids,
+                                 /*training=*/true);
+  ASSERT_TRUE(out.ok()) << out.status();
+  cluster.Shutdown(1);
+  const absl::Status s = CatchTorchErrors([&] {
+    at::Tensor loss = at::zeros({});
+    for (const at::Tensor& y : *out) loss = loss + y.sum();
+    loss.backward();
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("expert group 1"));
+}
+
+// The Info handshake compares the whole expert shape: services built from
+// another seed hold other experts and are refused.
+TEST(RemoteTrainingTest, ServicesOfAnotherSeedAreRefused) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  TrainerOptions other = o;
+  other.model.seed = o.model.seed + 1;
+  ExpertCluster cluster(other);
+  auto t = Trainer::Create(cluster.Remote(o));
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition) << t.status();
+  EXPECT_THAT(t.status().message(), HasSubstr("seed"));
+  EXPECT_THAT(t.status().message(), HasSubstr(cluster.addresses()[0]));
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "expert_service/expert_grpc_service.h"
+#include "model/model_config.h"
 #include "trainer/trainer.h"
 
 namespace himoe::trainer::testing {
@@ -86,17 +87,11 @@ inline std::string WriteCorpus(const TempDir& dir) {
 class ExpertCluster {
  public:
   explicit ExpertCluster(const TrainerOptions& o) {
-    const int groups = o.model.routing.num_groups;
-    for (int g = 0; g < groups; ++g) {
+    for (int g = 0; g < o.model.routing.num_groups; ++g) {
       expert::ExpertServerOptions s;
       s.address = "127.0.0.1:0";
+      s.core.shape = model::ExpertShapeFor(o.model);
       s.core.group_id = g;
-      s.core.num_groups = groups;
-      s.core.num_experts = o.model.routing.num_experts;
-      s.core.num_layers = NumMoeLayers(o.model);
-      s.core.d_model = o.model.d_model;
-      s.core.d_ff = o.model.d_ff;
-      s.core.seed = o.model.seed;
       auto server = expert::ExpertServer::Start(s);
       EXPECT_TRUE(server.ok()) << server.status();
       if (!server.ok()) continue;
@@ -105,6 +100,11 @@ class ExpertCluster {
     }
   }
   const std::vector<std::string>& addresses() const { return addresses_; }
+  // Stops group g's server (its address then refuses connections).
+  void Shutdown(int g) {
+    servers_[g]->Shutdown();
+    servers_[g]->Wait();
+  }
   // `o` training on these services.
   TrainerOptions Remote(TrainerOptions o) const {
     o.remote_experts = true;

@@ -1,4 +1,4 @@
-#include "trainer/model.h"
+#include "model/transformer_lm.h"
 
 #include <cmath>
 
@@ -7,34 +7,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
-#include "router_service/local_moe.h"
 
-namespace himoe::trainer {
+namespace himoe::model {
 
-int MoeIndex(const ModelOptions& o, int layer) {
-  if (o.moe_every == 1) return layer;
-  return layer % 2 == 1 ? layer / 2 : -1;
-}
-
-int NumMoeLayers(const ModelOptions& o) {
-  int n = 0;
-  for (int i = 0; i < o.n_layer; ++i) n += MoeIndex(o, i) >= 0;
-  return n;
-}
-
-ExpertBackendOptions ExpertBackendOptionsFor(const ModelOptions& o) {
-  ExpertBackendOptions b;
-  b.num_experts = o.routing.num_experts;
-  b.num_groups = o.routing.num_groups;
-  b.num_layers = NumMoeLayers(o);
-  b.d_model = o.d_model;
-  b.d_ff = o.d_ff;
-  b.seed = o.seed;
-  return b;
-}
-
-TransformerLM::TransformerLM(const ModelOptions& o, ExpertBackend* experts)
-    : options_(o), experts_(experts) {
+TransformerLM::TransformerLM(const ModelOptions& o, MoELayers* moe) : options_(o), moe_(moe) {
   torch::manual_seed(o.seed);
   wte_ = register_module("wte", torch::nn::Embedding(o.vocab_size, o.d_model));
   wpe_ = register_module("wpe", torch::nn::Embedding(o.block_size, o.d_model));
@@ -72,38 +48,36 @@ TransformerLM::TransformerLM(const ModelOptions& o, ExpertBackend* experts)
 }
 
 absl::StatusOr<std::shared_ptr<TransformerLM>> TransformerLM::Create(const ModelOptions& o,
-                                                                     ExpertBackend* experts) {
-  RETURN_IF_ERROR(router::ValidateRoutingConfig(o.routing));
-  if (o.vocab_size < 2 || o.block_size < 1 || o.n_layer < 1 || o.n_head < 1 ||
-      o.d_model % o.n_head != 0 || o.d_ff < 1 || o.dense_ff < 1 ||
-      (o.moe_every != 1 && o.moe_every != 2)) {
+                                                                     MoELayers* moe) {
+  HIMOE_RETURN_IF_ERROR(ValidateModelOptions(o));
+  const int num_moe = NumMoeLayers(o);
+  if (moe == nullptr || moe->num_layers() != num_moe ||
+      moe->num_groups() != o.routing.num_groups) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "model: need vocab_size >= 2, block_size >= 1, n_layer >= 1, d_model divisible by "
-        "n_head, d_ff, dense_ff >= 1, moe_every 1 or 2; got vocab ", o.vocab_size,
-        ", block ", o.block_size, ", layers ", o.n_layer, ", d_model ", o.d_model, ", heads ",
-        o.n_head, ", moe_every ", o.moe_every));
+        "model: the MoE layers must be ", num_moe, " layers of ", o.routing.num_groups,
+        " groups"));
   }
-  if (NumMoeLayers(o) < 1) return absl::InvalidArgumentError("model: no MoE layer");
-  if (experts == nullptr || experts->num_groups() != o.routing.num_groups) {
-    return absl::InvalidArgumentError("model: the expert backend must have num_groups groups");
+  for (int m = 0; m < num_moe; ++m) {
+    const router::RouterLayer& r = moe->router(m);
+    if (r.d_model() != o.d_model || r.config().num_experts != o.routing.num_experts) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model: MoE layer ", m, "'s router has d_model ", r.d_model(), ", N ",
+          r.config().num_experts, "; the model has d_model ", o.d_model, ", N ",
+          o.routing.num_experts));
+    }
   }
   std::shared_ptr<TransformerLM> model;
-  RETURN_IF_ERROR(CatchTorchErrors([&] {
-    model.reset(new TransformerLM(o, experts));
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    model.reset(new TransformerLM(o, moe));
+    for (int m = 0; m < num_moe; ++m) {
+      router::RouterLayer& r = moe->router(m);
+      const std::string p = absl::StrCat("moe", m, "_");
+      model->register_parameter(p + "gate", r.gate_weight());
+      model->register_buffer(p + "logit_ema", r.logit_ema());
+      model->register_buffer(p + "loss_free_bias", r.loss_free_bias());
+    }
     return absl::OkStatus();
   }));
-  for (int m = 0; m < NumMoeLayers(o); ++m) {
-    router::RouterLayerOptions ro;
-    ro.config = o.routing;
-    ro.d_model = o.d_model;
-    ro.seed = router::RouterSeedFor(o.seed, m);
-    ASSIGN_OR_RETURN(auto r, router::RouterLayer::Create(ro));
-    const std::string p = absl::StrCat("moe", m, "_");
-    model->register_parameter(p + "gate", r->gate_weight());
-    model->register_buffer(p + "logit_ema", r->logit_ema());
-    model->register_buffer(p + "loss_free_bias", r->loss_free_bias());
-    model->routers_.push_back(std::move(r));
-  }
   return model;
 }
 
@@ -121,29 +95,20 @@ at::Tensor TransformerLM::Attention(Block& b, const at::Tensor& x) {
   return b.proj->forward(y);
 }
 
-absl::StatusOr<at::Tensor> TransformerLM::MoeFfn(int moe, const at::Tensor& x, uint64_t step,
-                                                 uint32_t micro_batch, bool training,
-                                                 ModelOutput* out) {
+absl::StatusOr<at::Tensor> TransformerLM::MoeFfn(int moe, const at::Tensor& x,
+                                                 const MoECall& call, ModelOutput* out) {
   const at::Tensor h = x.reshape({-1, options_.d_model});
-  ASSIGN_OR_RETURN(router::RoutingOutput routing, routers_[moe]->Route(h, training));
-  std::vector<at::Tensor> rows, ids;
-  for (const router::GroupDispatch& d : routing.groups) {
-    rows.push_back(h.index_select(0, d.token_rows));
-    ids.push_back(d.expert_ids);
-  }
-  ASSIGN_OR_RETURN(std::vector<at::Tensor> outputs,
-                   experts_->Forward(moe, step, micro_batch, rows, ids, training));
-  for (size_t g = 0; g < outputs.size(); ++g) {
-    if (!outputs[g].defined()) outputs[g] = at::zeros({0, options_.d_model}, h.options());
-  }
-  const at::Tensor y =
-      router::CombineGroupOutputs(h.size(0), options_.d_model, routing.groups, outputs);
-  out->aux.load = out->aux.load + routing.losses.load;
-  out->aux.intra = out->aux.intra + routing.losses.intra;
-  out->aux.inter = out->aux.inter + routing.losses.inter;
-  out->aux.z = out->aux.z + routing.losses.z;
-  out->stats.push_back(std::move(routing.stats));
-  return y.view(x.sizes());
+  HIMOE_ASSIGN_OR_RETURN(router::MoEOutput y, moe_->Forward(moe, h, call));
+  const router::RoutingLosses& l = y.routing.losses;
+  const auto add = [](at::Tensor& sum, const at::Tensor& term) {
+    if (term.defined()) sum = sum + term;
+  };
+  add(out->aux.load, l.load);
+  add(out->aux.intra, l.intra);
+  add(out->aux.inter, l.inter);
+  add(out->aux.z, l.z);
+  out->stats.push_back(std::move(y.routing.stats));
+  return y.output.view(x.sizes());
 }
 
 absl::StatusOr<ModelOutput> TransformerLM::Forward(const at::Tensor& idx, const at::Tensor& targets,
@@ -153,6 +118,7 @@ absl::StatusOr<ModelOutput> TransformerLM::Forward(const at::Tensor& idx, const 
     return absl::InvalidArgumentError(absl::StrCat("model: input must be [B, T <= ",
                                                    options_.block_size, "]"));
   }
+  const MoECall call{step, micro_batch, training};
   ModelOutput out;
   const at::Tensor zero = at::zeros({});
   out.aux = {zero, zero, zero, zero};
@@ -163,7 +129,7 @@ absl::StatusOr<ModelOutput> TransformerLM::Forward(const at::Tensor& idx, const 
       x = x + Attention(b, b.ln1->forward(x));
       const at::Tensor n = b.ln2->forward(x);
       if (b.moe >= 0) {
-        ASSIGN_OR_RETURN(at::Tensor y, MoeFfn(b.moe, n, step, micro_batch, training, &out));
+        HIMOE_ASSIGN_OR_RETURN(at::Tensor y, MoeFfn(b.moe, n, call, &out));
         x = x + y;
       } else {
         x = x + b.fc_out->forward(at::gelu(b.fc->forward(n)));
@@ -176,7 +142,7 @@ absl::StatusOr<ModelOutput> TransformerLM::Forward(const at::Tensor& idx, const 
     }
     return absl::OkStatus();
   });
-  RETURN_IF_ERROR(status);
+  HIMOE_RETURN_IF_ERROR(status);
   return out;
 }
 
@@ -196,4 +162,4 @@ std::vector<at::Tensor> TransformerLM::UndecayedParameters() const {
   return out;
 }
 
-}  // namespace himoe::trainer
+}  // namespace himoe::model

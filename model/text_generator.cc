@@ -1,10 +1,10 @@
-#include "router_service/text_generator.h"
+#include "model/text_generator.h"
 
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
 
-namespace himoe::router {
+namespace himoe::model {
 
 absl::Status ValidateGenerateParams(const GenerateParams& params,
                                     const TextGenerator& generator) {
@@ -35,4 +35,4 @@ absl::Status ValidateGenerateParams(const GenerateParams& params,
   return absl::OkStatus();
 }
 
-}  // namespace himoe::router
+}  // namespace himoe::model

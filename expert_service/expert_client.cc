@@ -1,4 +1,4 @@
-#include "router_service/group_client.h"
+#include "expert_service/expert_client.h"
 
 #include <utility>
 
@@ -8,11 +8,16 @@
 #include <grpcpp/support/channel_arguments.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
+#include "absl/synchronization/mutex.h"
+#include "common/expert_shape.h"
+#include "common/status_macros.h"
+#include "expert_service/state_stream.h"
 #include "proto/grpc_status.h"
 
-namespace himoe::router {
+namespace himoe::expert {
 
-struct GroupClient::Call {
+struct ExpertGroupClient::Call {
   Start start;
   bool failover = true;
   Done done;
@@ -21,13 +26,13 @@ struct GroupClient::Call {
   std::string errors;  // of replicas tried so far
 };
 
-absl::StatusOr<std::unique_ptr<GroupClient>> GroupClient::Create(
-    const GroupClientOptions& options) {
+absl::StatusOr<std::unique_ptr<ExpertGroupClient>> ExpertGroupClient::Create(
+    const ExpertGroupClientOptions& options) {
   if (options.addresses.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("group ", options.group_id, ": no address given"));
   }
-  std::unique_ptr<GroupClient> client(new GroupClient(options));
+  std::unique_ptr<ExpertGroupClient> client(new ExpertGroupClient(options));
   for (const std::string& address : options.addresses) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(options.max_message_bytes);
@@ -44,7 +49,7 @@ absl::StatusOr<std::unique_ptr<GroupClient>> GroupClient::Create(
   return client;
 }
 
-void GroupClient::ForwardAsync(const v1::ExpertForwardRequest* request,
+void ExpertGroupClient::ForwardAsync(const v1::ExpertForwardRequest* request,
                                v1::ExpertForwardResponse* response, Done done) {
   StartCall(
       [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
@@ -55,7 +60,7 @@ void GroupClient::ForwardAsync(const v1::ExpertForwardRequest* request,
       /*failover=*/true, std::move(done));
 }
 
-void GroupClient::BackwardAsync(const v1::ExpertBackwardRequest* request,
+void ExpertGroupClient::BackwardAsync(const v1::ExpertBackwardRequest* request,
                                 v1::ExpertBackwardResponse* response, Done done) {
   StartCall(
       [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
@@ -65,7 +70,7 @@ void GroupClient::BackwardAsync(const v1::ExpertBackwardRequest* request,
       /*failover=*/false, std::move(done));
 }
 
-void GroupClient::StepAsync(const v1::ExpertStepRequest* request,
+void ExpertGroupClient::StepAsync(const v1::ExpertStepRequest* request,
                             v1::ExpertStepResponse* response, Done done) {
   StartCall(
       [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
@@ -75,7 +80,7 @@ void GroupClient::StepAsync(const v1::ExpertStepRequest* request,
       /*failover=*/false, std::move(done));
 }
 
-void GroupClient::StartCall(Start start, bool failover, Done done) {
+void ExpertGroupClient::StartCall(Start start, bool failover, Done done) {
   auto call = std::make_shared<Call>();
   call->start = std::move(start);
   call->failover = failover;
@@ -83,7 +88,7 @@ void GroupClient::StartCall(Start start, bool failover, Done done) {
   Attempt(std::move(call));
 }
 
-void GroupClient::Attempt(std::shared_ptr<Call> call) {
+void ExpertGroupClient::Attempt(std::shared_ptr<Call> call) {
   call->context = std::make_unique<grpc::ClientContext>();
   call->context->set_deadline(std::chrono::system_clock::now() + options_.deadline);
   call->start(stubs_[call->replica].get(), call->context.get(), [this, call](grpc::Status status) {
@@ -108,20 +113,28 @@ void GroupClient::Attempt(std::shared_ptr<Call> call) {
   });
 }
 
-absl::Status GroupClient::Named(const grpc::Status& status, size_t replica) const {
+absl::Status ExpertGroupClient::Named(const grpc::Status& status, size_t replica) const {
   const absl::Status s = FromGrpcStatus(status);
   return absl::Status(s.code(), absl::StrCat("expert group ", options_.group_id, " at ",
                                              options_.addresses[replica], ": ", s.message()));
 }
 
-absl::StatusOr<v1::ExpertInfoResponse> GroupClient::Info() {
+absl::StatusOr<v1::ExpertInfoResponse> ExpertGroupClient::Info() {
+  size_t replica = 0;
+  return InfoFrom(&replica);
+}
+
+absl::StatusOr<v1::ExpertInfoResponse> ExpertGroupClient::InfoFrom(size_t* replica) {
   std::string errors;
   for (size_t r = 0; r < stubs_.size(); ++r) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
     v1::ExpertInfoResponse response;
     const grpc::Status status = stubs_[r]->Info(&context, v1::ExpertInfoRequest(), &response);
-    if (status.ok()) return response;
+    if (status.ok()) {
+      *replica = r;
+      return response;
+    }
     absl::StrAppend(&errors, errors.empty() ? "" : "; ", options_.addresses[r], ": ",
                     status.error_message());
   }
@@ -129,11 +142,19 @@ absl::StatusOr<v1::ExpertInfoResponse> GroupClient::Info() {
       absl::StrCat("expert group ", options_.group_id, " unreachable (", errors, ")"));
 }
 
-}  // namespace himoe::router
+absl::Status ExpertGroupClient::CheckInfo(const v1::ExpertShape& expected) {
+  size_t replica = 0;
+  HIMOE_ASSIGN_OR_RETURN(const v1::ExpertInfoResponse info, InfoFrom(&replica));
+  const std::string where = absl::StrCat("expert service at ", options_.addresses[replica]);
+  if (info.group_id() != options_.group_id) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, " serves group ", info.group_id(), "; expected group ", options_.group_id));
+  }
+  return CheckExpertShape(expected, info.shape(),
+                          absl::StrCat(where, " (group ", options_.group_id, ")"));
+}
 
-namespace himoe::router {
-
-absl::StatusOr<v1::ExpertAbortResponse> GroupClient::Abort(uint64_t step) {
+absl::StatusOr<v1::ExpertAbortResponse> ExpertGroupClient::Abort(uint64_t step) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
   v1::ExpertAbortRequest request;
@@ -144,25 +165,31 @@ absl::StatusOr<v1::ExpertAbortResponse> GroupClient::Abort(uint64_t step) {
   return response;
 }
 
-absl::StatusOr<std::vector<v1::StateChunk>> GroupClient::GetState(bool include_optimizer) {
+absl::StatusOr<std::vector<NamedTensor>> ExpertGroupClient::GetState(bool include_optimizer) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
   v1::GetStateRequest request;
   request.set_include_optimizer(include_optimizer);
   auto reader = stubs_[0]->GetState(&context, request);
-  std::vector<v1::StateChunk> chunks;
-  for (v1::StateChunk chunk; reader->Read(&chunk);) chunks.push_back(std::move(chunk));
+  StateAssembler assembler;
+  absl::Status assembled;
+  for (v1::StateChunk chunk; reader->Read(&chunk);) {
+    if (assembled.ok()) assembled = assembler.Add(chunk);
+  }
   const grpc::Status status = reader->Finish();
   if (!status.ok()) return Named(status, 0);
-  return chunks;
+  HIMOE_RETURN_IF_ERROR(assembled);
+  return assembler.Finish();
 }
 
-absl::Status GroupClient::SetState(const std::vector<v1::StateChunk>& chunks) {
+absl::Status ExpertGroupClient::SetState(const std::vector<NamedTensor>& state,
+                                         int64_t chunk_bytes) {
+  HIMOE_ASSIGN_OR_RETURN(auto chunker, StateChunker::Create(state, chunk_bytes));
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
   v1::SetStateResponse response;
   auto writer = stubs_[0]->SetState(&context, &response);
-  for (const v1::StateChunk& chunk : chunks) {
+  for (v1::StateChunk chunk; chunker->Next(&chunk);) {
     if (!writer->Write(chunk)) break;  // the server ended the stream early
   }
   writer->WritesDone();
@@ -170,4 +197,23 @@ absl::Status GroupClient::SetState(const std::vector<v1::StateChunk>& chunks) {
   return status.ok() ? absl::OkStatus() : Named(status, 0);
 }
 
-}  // namespace himoe::router
+absl::Status FanOut(size_t n,
+                    const std::function<void(size_t i, ExpertGroupClient::Done done)>& start) {
+  if (n == 0) return absl::OkStatus();
+  absl::BlockingCounter pending(static_cast<int>(n));
+  absl::Mutex mu;
+  absl::Status first;
+  for (size_t i = 0; i < n; ++i) {
+    start(i, [&](absl::Status s) {
+      if (!s.ok()) {
+        absl::MutexLock lock(&mu);
+        if (first.ok()) first = std::move(s);
+      }
+      pending.DecrementCount();
+    });
+  }
+  pending.Wait();
+  return first;
+}
+
+}  // namespace himoe::expert

@@ -1,5 +1,5 @@
-#ifndef HIMOE_ROUTER_SERVICE_GROUP_CLIENT_H_
-#define HIMOE_ROUTER_SERVICE_GROUP_CLIENT_H_
+#ifndef HIMOE_EXPERT_SERVICE_EXPERT_CLIENT_H_
+#define HIMOE_EXPERT_SERVICE_EXPERT_CLIENT_H_
 
 #include <chrono>
 #include <cstdint>
@@ -12,11 +12,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/named_tensor.h"
 #include "himoe/v1/expert.grpc.pb.h"
+#include "himoe/v1/model.pb.h"
 
-namespace himoe::router {
+namespace himoe::expert {
 
-struct GroupClientOptions {
+struct ExpertGroupClientOptions {
   int group_id = 0;
   // The group's address first, then its replicas, tried in order.
   std::vector<std::string> addresses;
@@ -26,11 +28,13 @@ struct GroupClientOptions {
 
 // Client of one expert group (and its replicas). Calls are asynchronous
 // (callback stubs); a call that fails with UNAVAILABLE or DEADLINE_EXCEEDED
-// moves on to the next replica. Errors name the group and the address.
-class GroupClient {
+// moves on to the next replica. Errors name the group and the address;
+// transport failures keep their code: "expert group <g> unreachable
+// (<address>: <message>; ...)".
+class ExpertGroupClient {
  public:
-  static absl::StatusOr<std::unique_ptr<GroupClient>> Create(
-      const GroupClientOptions& options);
+  static absl::StatusOr<std::unique_ptr<ExpertGroupClient>> Create(
+      const ExpertGroupClientOptions& options);
 
   using Done = std::function<void(absl::Status)>;
   // Start a call; `done` runs once, on a gRPC thread. `request` and
@@ -47,8 +51,16 @@ class GroupClient {
   // Blocking calls (first address; Info fails over).
   absl::StatusOr<v1::ExpertInfoResponse> Info();
   absl::StatusOr<v1::ExpertAbortResponse> Abort(uint64_t step);
-  absl::StatusOr<std::vector<v1::StateChunk>> GetState(bool include_optimizer);
-  absl::Status SetState(const std::vector<v1::StateChunk>& chunks);
+  // The group's state (ExpertServiceCore::GetState names), streamed in chunks.
+  absl::StatusOr<std::vector<NamedTensor>> GetState(bool include_optimizer);
+  // Streams `state` in chunks of chunk_bytes; the service applies all of it
+  // or nothing.
+  absl::Status SetState(const std::vector<NamedTensor>& state, int64_t chunk_bytes = 1 << 20);
+
+  // The Info handshake: the service answering (with failover) must serve this
+  // group of exactly `expected` (seed and dtype included); FailedPrecondition
+  // naming the address and every differing field otherwise.
+  absl::Status CheckInfo(const v1::ExpertShape& expected);
 
   int group_id() const { return options_.group_id; }
   const std::vector<std::string>& addresses() const { return options_.addresses; }
@@ -58,16 +70,23 @@ class GroupClient {
   // Issues the RPC on a stub with a fresh context; `on_status` gets its status.
   using Start = std::function<void(v1::ExpertService::Stub*, grpc::ClientContext*,
                                    std::function<void(grpc::Status)>)>;
-  explicit GroupClient(const GroupClientOptions& options) : options_(options) {}
+  explicit ExpertGroupClient(const ExpertGroupClientOptions& options) : options_(options) {}
   void StartCall(Start start, bool failover, Done done);
   void Attempt(std::shared_ptr<Call> call);
   absl::Status Named(const grpc::Status& status, size_t replica) const;
+  // Info from the first replica that answers; sets *replica to its index.
+  absl::StatusOr<v1::ExpertInfoResponse> InfoFrom(size_t* replica);
 
-  GroupClientOptions options_;
+  ExpertGroupClientOptions options_;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::ExpertService::Stub>> stubs_;
 };
 
-}  // namespace himoe::router
+// Starts n calls (start(i, done) for each i) and waits for every one of them;
+// returns the first error to arrive, OK for n == 0.
+absl::Status FanOut(size_t n,
+                    const std::function<void(size_t i, ExpertGroupClient::Done done)>& start);
 
-#endif  // HIMOE_ROUTER_SERVICE_GROUP_CLIENT_H_
+}  // namespace himoe::expert
+
+#endif  // HIMOE_EXPERT_SERVICE_EXPERT_CLIENT_H_

@@ -1,5 +1,5 @@
-#ifndef HIMOE_ROUTER_SERVICE_TEXT_GENERATOR_H_
-#define HIMOE_ROUTER_SERVICE_TEXT_GENERATOR_H_
+#ifndef HIMOE_MODEL_TEXT_GENERATOR_H_
+#define HIMOE_MODEL_TEXT_GENERATOR_H_
 
 #include <cstdint>
 #include <functional>
@@ -7,7 +7,7 @@
 
 #include "absl/status/status.h"
 
-namespace himoe::router {
+namespace himoe::model {
 
 struct GenerateParams {
   std::vector<int64_t> prompt;  // token ids, at least one
@@ -39,6 +39,6 @@ class TextGenerator {
 // INVALID_ARGUMENT naming the field when `params` does not fit `generator`.
 absl::Status ValidateGenerateParams(const GenerateParams& params, const TextGenerator& generator);
 
-}  // namespace himoe::router
+}  // namespace himoe::model
 
-#endif  // HIMOE_ROUTER_SERVICE_TEXT_GENERATOR_H_
+#endif  // HIMOE_MODEL_TEXT_GENERATOR_H_

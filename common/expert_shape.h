@@ -1,0 +1,37 @@
+#ifndef HIMOE_COMMON_EXPERT_SHAPE_H_
+#define HIMOE_COMMON_EXPERT_SHAPE_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "himoe/v1/cluster.pb.h"
+#include "himoe/v1/model.pb.h"
+
+namespace himoe {
+
+// The one place that knows which values an ExpertShape may hold.
+// InvalidArgument naming the field: N, M >= 1, M divides N, num_layers,
+// d_model, d_ff >= 1, dtype FLOAT32 or BFLOAT16.
+absl::Status ValidateExpertShape(const v1::ExpertShape& shape);
+
+// The cluster file's model section as an ExpertShape (not validated).
+v1::ExpertShape ExpertShapeFromCluster(const v1::ClusterConfig& cluster);
+
+// "float32" / "bfloat16" (the flags' and the cluster file's spelling).
+absl::StatusOr<v1::DType> ParseExpertDtype(absl::string_view name);
+std::string ExpertDtypeName(v1::DType dtype);
+
+// The Info handshake: OK when `served` (what a service says it holds) equals
+// `expected`; else FailedPrecondition naming every field that differs,
+// "<where> serves seed 7, dtype bfloat16; the model needs seed 1, dtype float32".
+absl::Status CheckExpertShape(const v1::ExpertShape& expected, const v1::ExpertShape& served,
+                              absl::string_view where);
+
+// "N=8 M=4 layers=2 d_model=64 d_ff=256 seed=0 float32".
+std::string ExpertShapeDebugString(const v1::ExpertShape& shape);
+
+}  // namespace himoe
+
+#endif  // HIMOE_COMMON_EXPERT_SHAPE_H_

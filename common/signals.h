@@ -1,0 +1,24 @@
+#ifndef HIMOE_COMMON_SIGNALS_H_
+#define HIMOE_COMMON_SIGNALS_H_
+
+#include <chrono>
+
+namespace himoe {
+
+// Stop signals (SIGINT, SIGTERM, SIGHUP) are taken synchronously: main()
+// calls BlockStopSignals() before any thread starts (gRPC's and torch's
+// threads inherit the mask), then polls WaitForStopSignal. With
+// `watch_children`, SIGCHLD is blocked too, so that a wait wakes up when a
+// child process ends (the launcher).
+void BlockStopSignals(bool watch_children = false);
+
+// Waits up to `timeout`; returns the stop signal that came, or 0 (timeout, or
+// only a SIGCHLD).
+int WaitForStopSignal(std::chrono::milliseconds timeout);
+
+// A stop signal already pending (consumed), without waiting; else 0.
+int PendingStopSignal();
+
+}  // namespace himoe
+
+#endif  // HIMOE_COMMON_SIGNALS_H_

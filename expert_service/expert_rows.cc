@@ -1,0 +1,105 @@
+#include "expert_service/expert_rows.h"
+
+#include <utility>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "common/tensor_codec.h"
+#include "common/torch_runtime.h"
+
+namespace himoe::expert {
+namespace {
+
+bool IsFloatingWireType(c10::ScalarType type) {
+  return type == c10::kFloat || type == c10::kBFloat16 || type == c10::kHalf;
+}
+
+// One entry's rows: a floating [n, d_model] tensor (n = expected_rows if >= 0),
+// all finite.
+absl::StatusOr<at::Tensor> DecodeRows(const v1::ExpertRows& entry, const std::string& field,
+                                      int64_t d_model, int64_t expected_rows) {
+  HIMOE_ASSIGN_OR_RETURN(at::Tensor x, DecodeTensor(entry.rows(), field + ".rows"));
+  if (!IsFloatingWireType(x.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".rows.dtype: ", c10::toString(x.scalar_type()),
+        " is not a floating type; expected FLOAT32 or BFLOAT16"));
+  }
+  const bool any_rows = expected_rows < 0;
+  if (x.dim() != 2 || x.size(1) != d_model || (!any_rows && x.size(0) != expected_rows)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".rows: expected shape ",
+        any_rows ? absl::StrCat("[n, ", d_model, "] (2-D, d_model=", d_model, ")")
+                 : absl::StrCat("[", expected_rows, ", ", d_model, "] (the saved output's)"),
+        ", got ", ShapeString(x.sizes())));
+  }
+  bool finite = true;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    finite = x.numel() == 0 || at::isfinite(x).all().item<bool>();
+    return absl::OkStatus();
+  }));
+  if (!finite) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".rows contains NaN or Inf"));
+  }
+  return x;
+}
+
+}  // namespace
+
+std::string ShapeString(at::IntArrayRef shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+absl::StatusOr<std::vector<at::Tensor>> DecodeRequestRows(
+    const ExpertRowsList& entries, absl::string_view name, int64_t d_model,
+    const ExpertIdCheck& check_id, absl::Span<const int64_t> expected_rows) {
+  std::vector<at::Tensor> rows(entries.size());
+  for (int i = 0; i < entries.size(); ++i) {
+    const v1::ExpertRows& entry = entries.Get(i);
+    const std::string field = absl::StrCat(name, "[", i, "]");
+    HIMOE_RETURN_IF_ERROR(check_id(i, field, entry.expert_id()));
+    const int64_t n = i < static_cast<int>(expected_rows.size()) ? expected_rows[i] : -1;
+    HIMOE_ASSIGN_OR_RETURN(rows[i], DecodeRows(entry, field, d_model, n));
+  }
+  return rows;
+}
+
+absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>& experts,
+                              int64_t begin, int64_t end, ExpertRowsList* out) {
+  int64_t run = begin;
+  for (int64_t i = begin + 1; i <= end; ++i) {
+    if (i < end && experts[i] == experts[run]) continue;
+    v1::ExpertRows* er = out->Add();
+    er->set_expert_id(static_cast<int32_t>(experts[run]));
+    HIMOE_RETURN_IF_ERROR(EncodeTensor(rows.slice(0, run, i), er->mutable_rows()));
+    run = i;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<at::Tensor> ConcatExpertRows(const ExpertRowsList& parts,
+                                            const ExpertRowsList& expected, int64_t d_model,
+                                            absl::string_view what) {
+  if (parts.size() != expected.size()) {
+    return absl::InternalError(absl::StrCat(what, ": ", parts.size(), " row blocks for ",
+                                            expected.size(), " sent"));
+  }
+  std::vector<at::Tensor> pieces;
+  for (int i = 0; i < parts.size(); ++i) {
+    HIMOE_ASSIGN_OR_RETURN(at::Tensor y, DecodeTensor(parts.Get(i).rows(), what));
+    if (y.dim() != 2 || y.size(0) != expected.Get(i).rows().shape(0) || y.size(1) != d_model) {
+      return absl::InternalError(absl::StrCat(what, ": block ", i, " has the wrong shape"));
+    }
+    pieces.push_back(std::move(y));
+  }
+  at::Tensor out;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    out = pieces.empty() ? at::zeros({0, d_model}) : at::cat(pieces).to(at::kFloat);
+    return absl::OkStatus();
+  }));
+  return out;
+}
+
+}  // namespace himoe::expert

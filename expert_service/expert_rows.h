@@ -1,0 +1,52 @@
+#ifndef HIMOE_EXPERT_SERVICE_EXPERT_ROWS_H_
+#define HIMOE_EXPERT_SERVICE_EXPERT_ROWS_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <google/protobuf/repeated_ptr_field.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "himoe/v1/expert.pb.h"
+
+namespace himoe::expert {
+
+using ExpertRowsList = google::protobuf::RepeatedPtrField<v1::ExpertRows>;
+
+// "[2, 3]".
+std::string ShapeString(at::IntArrayRef shape);
+
+// Checks entry `index` (named `field`, e.g. "inputs[1]") of a request's rows
+// for its expert id; InvalidArgument naming the field otherwise.
+using ExpertIdCheck =
+    std::function<absl::Status(int index, const std::string& field, int32_t expert_id)>;
+
+// Decodes the rows of a request on the service side: `entries` are the
+// "inputs" of a Forward or the "output_grads" of a Backward (`name`). Entry by
+// entry: `check_id`, then a floating wire dtype, shape [n, d_model] (n =
+// expected_rows[i] when given, any n otherwise) and finite values. Errors are
+// InvalidArgument naming the field ("inputs[1].rows contains NaN or Inf").
+absl::StatusOr<std::vector<at::Tensor>> DecodeRequestRows(
+    const ExpertRowsList& entries, absl::string_view name, int64_t d_model,
+    const ExpertIdCheck& check_id, absl::Span<const int64_t> expected_rows = {});
+
+// Client side. Appends rows [begin, end) of a group's expert-sorted rows to
+// `out`, one ExpertRows per run of equal expert ids (`experts` is on the CPU).
+absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>& experts,
+                              int64_t begin, int64_t end, ExpertRowsList* out);
+
+// Client side. Concatenates the rows of `parts` into one [n, d_model] float32
+// tensor, checking that part i has as many rows as `expected[i]`.
+absl::StatusOr<at::Tensor> ConcatExpertRows(const ExpertRowsList& parts,
+                                            const ExpertRowsList& expected, int64_t d_model,
+                                            absl::string_view what);
+
+}  // namespace himoe::expert
+
+#endif  // HIMOE_EXPERT_SERVICE_EXPERT_ROWS_H_

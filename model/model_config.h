@@ -1,0 +1,55 @@
+#ifndef HIMOE_MODEL_MODEL_CONFIG_H_
+#define HIMOE_MODEL_MODEL_CONFIG_H_
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "himoe/v1/cluster.pb.h"
+#include "himoe/v1/model.pb.h"
+#include "router_service/routing_config.h"
+
+namespace himoe::model {
+
+// The language model's architecture (v1::ModelConfig as a C++ struct).
+struct ModelOptions {
+  int64_t vocab_size = 256;
+  int64_t block_size = 64;
+  int n_layer = 4;
+  int n_head = 4;
+  int64_t d_model = 128;
+  int64_t d_ff = 256;       // expert hidden width
+  int64_t dense_ff = 512;   // hidden width of the dense FFNs (non-MoE layers)
+  // MoE FFN on every layer (1) or on every other layer, starting at layer 1 (2).
+  int moe_every = 1;
+  router::RoutingConfig routing;
+  uint64_t seed = 1;
+  v1::DType expert_dtype = v1::DTYPE_FLOAT32;  // or DTYPE_BFLOAT16
+};
+
+// Transformer layer i has an MoE FFN when this returns its MoE index, else -1.
+int MoeIndex(const ModelOptions& options, int layer);
+int NumMoeLayers(const ModelOptions& options);
+
+// InvalidArgument naming the field: the routing config, the sizes, moe_every,
+// at least one MoE layer.
+absl::Status ValidateModelOptions(const ModelOptions& options);
+
+// The experts of this model.
+v1::ExpertShape ExpertShapeFor(const ModelOptions& options);
+
+v1::ModelConfig ModelConfigToProto(const ModelOptions& options);
+// InvalidArgument naming the field for an unknown name or an invalid routing
+// config.
+absl::StatusOr<ModelOptions> ModelOptionsFromProto(const v1::ModelConfig& config);
+
+// Every field of `config`, the enums by name.
+v1::RoutingSettings RoutingSettingsToProto(const router::RoutingConfig& config);
+absl::StatusOr<router::RoutingConfig> RoutingConfigFromProto(const v1::RoutingSettings& settings);
+
+// The routing config a cluster file describes (model sizes, method, preset,
+// then the explicit overrides), validated.
+absl::StatusOr<router::RoutingConfig> RoutingConfigFromCluster(const v1::ClusterConfig& cluster);
+
+}  // namespace himoe::model
+
+#endif  // HIMOE_MODEL_MODEL_CONFIG_H_

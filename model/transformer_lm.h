@@ -1,0 +1,76 @@
+#ifndef HIMOE_MODEL_TRANSFORMER_LM_H_
+#define HIMOE_MODEL_TRANSFORMER_LM_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include "absl/status/statusor.h"
+#include "model/model_config.h"
+#include "model/moe_layers.h"
+#include "router_service/router_layer.h"
+
+namespace himoe::model {
+
+struct ModelOutput {
+  at::Tensor logits;     // [B, T, V]
+  at::Tensor task_loss;  // cross entropy (when targets are given)
+  router::RoutingLosses aux;  // summed over MoE layers (the terms they define)
+  std::vector<router::RoutingStats> stats;  // per MoE layer
+};
+
+// nanoGPT-style decoder-only LM: token + position embeddings, pre-norm
+// blocks with causal self-attention, weight-tied head. The dense parts live
+// here; each MoE FFN is a call into `moe`, whose routers' tensors the LM
+// registers as its own: parameter "moe<l>_gate", buffers "moe<l>_logit_ema"
+// and "moe<l>_loss_free_bias" (checkpoints depend on these names).
+class TransformerLM : public torch::nn::Module {
+ public:
+  // `moe` (not owned) must outlive the LM and have NumMoeLayers(options)
+  // layers of options.routing.num_groups groups.
+  static absl::StatusOr<std::shared_ptr<TransformerLM>> Create(const ModelOptions& options,
+                                                               MoELayers* moe);
+
+  // idx, targets: int64 [B, T]. `step` and `micro_batch` key the experts'
+  // saved state in training.
+  absl::StatusOr<ModelOutput> Forward(const at::Tensor& idx, const at::Tensor& targets,
+                                      uint64_t step, uint32_t micro_batch, bool training);
+
+  router::RouterLayer& router(int moe_layer) { return moe_->router(moe_layer); }
+  int num_moe_layers() const { return moe_->num_layers(); }
+  MoELayers& moe() { return *moe_; }
+  const ModelOptions& options() const { return options_; }
+
+  // Parameters that get AdamW weight decay (matrices, embeddings, gates)
+  // and those that do not (biases, LayerNorm).
+  std::vector<at::Tensor> DecayedParameters() const;
+  std::vector<at::Tensor> UndecayedParameters() const;
+
+ private:
+  struct Block {
+    torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+    torch::nn::Linear qkv{nullptr}, proj{nullptr};
+    torch::nn::Linear fc{nullptr}, fc_out{nullptr};  // dense FFN only
+    int moe = -1;
+  };
+
+  TransformerLM(const ModelOptions& options, MoELayers* moe);
+  at::Tensor Attention(Block& block, const at::Tensor& x);
+  absl::StatusOr<at::Tensor> MoeFfn(int moe, const at::Tensor& x, const MoECall& call,
+                                    ModelOutput* out);
+
+  ModelOptions options_;
+  MoELayers* moe_;
+  torch::nn::Embedding wte_{nullptr}, wpe_{nullptr};
+  torch::nn::LayerNorm ln_f_{nullptr};
+  std::vector<Block> blocks_;
+};
+
+}  // namespace himoe::model
+
+#endif  // HIMOE_MODEL_TRANSFORMER_LM_H_

@@ -1,0 +1,188 @@
+#!/usr/bin/python3
+"""Checks that the code keeps its layers (README "Architecture").
+
+The CMake targets make the linker enforce most of the architecture; this
+script checks what the linker cannot see, over the #include graph:
+
+  * the core targets (compute and model code) never include gRPC or
+    Prometheus, directly or through any project header they include;
+  * himoe_local (and so himoe-cluster) never includes LibTorch or glog;
+  * folders only include the folders below them (router_service/ never
+    includes trainer/, expert_service/ never includes router_service/, ...).
+
+  scripts/check_layers.py [--root DIR]   exit 0 when clean, 1 with every violation
+  scripts/check_layers.py --self-test    plants violations in a copy; each must fail
+"""
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+CORE_TARGETS = [
+    "himoe_util", "himoe_config", "himoe_common", "himoe_experts", "himoe_routing",
+    "himoe_expert_core", "himoe_model",
+]
+NO_TORCH_TARGETS = ["himoe_util", "himoe_config", "himoe_local"]
+
+TRANSPORT = re.compile(r'^(grpcpp/|grpc/|grpc\+\+/|prometheus/)|\.grpc\.pb\.h$')
+TORCH = re.compile(r'^(torch/|ATen/|c10/|glog/)')
+
+# folder -> project folders it must not include.
+FOLDER_RULES = {
+    "common": ["expert_service", "router_service", "model", "trainer", "deploy"],
+    "expert_service": ["router_service", "model", "trainer", "deploy"],
+    "router_service": ["trainer", "deploy"],
+    "model": ["trainer", "deploy", "expert_service/expert_client.h"],
+    "trainer": ["deploy/local/launcher_main.cc"],
+    "deploy/local": ["expert_service", "router_service", "model", "trainer"],
+}
+# model/ may only use the routing core of router_service/.
+MODEL_ROUTING_CORE = {"router_service/routing_config.h", "router_service/routing_math.h",
+                      "router_service/router_layer.h", "router_service/local_moe.h"}
+
+INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+ADD_LIBRARY = re.compile(r'add_library\(\s*(\w+)\s+STATIC\s+([^)]*)\)', re.S)
+
+
+def targets(root):
+    """target -> source files (relative to root), from every CMakeLists.txt."""
+    out = {}
+    for folder in ["common", "expert_service", "router_service", "model", "trainer",
+                   "deploy/local", "proto"]:
+        path = os.path.join(root, folder, "CMakeLists.txt")
+        if not os.path.exists(path):
+            continue
+        text = re.sub(r'#[^\n]*', '', open(path).read())
+        for name, body in ADD_LIBRARY.findall(text):
+            files = [os.path.join(folder, f) for f in body.split()
+                     if f.endswith((".cc", ".h"))]
+            out[name] = files
+    return out
+
+
+_CACHE = {}
+
+
+def includes(root, rel):
+    key = (root, rel)
+    if key not in _CACHE:
+        try:
+            _CACHE[key] = INCLUDE.findall(open(os.path.join(root, rel)).read())
+        except OSError:
+            _CACHE[key] = []
+    return _CACHE[key]
+
+
+def is_project(root, inc):
+    return os.path.exists(os.path.join(root, inc))
+
+
+def closure(root, rel):
+    """Every (file, include, chain) reachable from rel through project headers."""
+    seen, stack = {rel: [rel]}, [rel]
+    while stack:
+        f = stack.pop()
+        for inc in includes(root, f):
+            yield f, inc, seen[f]
+            if is_project(root, inc) and inc not in seen:
+                seen[inc] = seen[f] + [inc]
+                stack.append(inc)
+
+
+def with_headers(root, files):
+    out = []
+    for f in files:
+        out.append(f)
+        h = os.path.splitext(f)[0] + ".h"
+        if f.endswith(".cc") and os.path.exists(os.path.join(root, h)):
+            out.append(h)
+    return out
+
+
+def check(root):
+    _CACHE.clear()
+    errors = []
+    libs = targets(root)
+    for target in CORE_TARGETS + NO_TORCH_TARGETS:
+        if target not in libs:
+            errors.append(f"target {target} is missing from the CMakeLists")
+    for target, pattern, what in (
+            [(t, TRANSPORT, "gRPC/Prometheus") for t in CORE_TARGETS] +
+            [(t, TORCH, "LibTorch/glog") for t in NO_TORCH_TARGETS]):
+        for src in with_headers(root, libs.get(target, [])):
+            for f, inc, chain in closure(root, src):
+                if pattern.search(inc):
+                    errors.append(f"{target}: {' -> '.join(chain)} includes <{inc}>"
+                                  f" ({what} in a layer that must not use it)")
+    for folder, banned in FOLDER_RULES.items():
+        base = os.path.join(root, folder)
+        if not os.path.isdir(base):
+            continue
+        for name in sorted(os.listdir(base)):
+            rel = f"{folder}/{name}"
+            if not name.endswith((".cc", ".h")):
+                continue
+            for inc in includes(root, rel):
+                if not is_project(root, inc):
+                    continue
+                bad = [b for b in banned if inc == b or inc.startswith(b + "/")]
+                if folder == "model" and inc.startswith("router_service/") and \
+                        inc not in MODEL_ROUTING_CORE:
+                    bad.append("router_service (beyond the routing core)")
+                if bad:
+                    errors.append(f"{rel} includes {inc}: {folder}/ must not depend on "
+                                  f"{bad[0]}")
+    return sorted(set(errors))
+
+
+def self_test(root):
+    plants = [
+        ("router_service/routing_math.h", "#include <grpcpp/grpcpp.h>", "himoe_routing"),
+        ("router_service/router_layer.h", '#include "trainer/trainer.h"', "router_layer.h"),
+        ("common/named_tensor.h", "#include <prometheus/counter.h>", "himoe_"),
+        ("deploy/local/local_cluster.h", "#include <torch/torch.h>", "himoe_local"),
+        ("model/transformer_lm.h", '#include "router_service/remote_moe.h"', "model/"),
+    ]
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for folder in ["common", "expert_service", "router_service", "model", "trainer",
+                       "deploy", "proto"]:
+            shutil.copytree(os.path.join(root, folder), os.path.join(tmp, folder))
+        clean = check(tmp)
+        if clean:
+            print("self-test: the unmodified copy fails:\n  " + "\n  ".join(clean))
+            ok = False
+        for rel, line, expect in plants:
+            path = os.path.join(tmp, rel)
+            original = open(path).read()
+            open(path, "w").write(line + "\n" + original)
+            found = check(tmp)
+            hit = [e for e in found if expect in e]
+            print(f"self-test: planted {line!r} in {rel}: "
+                  f"{'caught' if hit else 'MISSED'}" + (f": {hit[0]}" if hit else ""))
+            ok = ok and bool(hit)
+            open(path, "w").write(original)
+    return ok
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    parser.add_argument("--self-test", action="store_true")
+    args = parser.parse_args()
+    if args.self_test:
+        return 0 if self_test(args.root) else 1
+    errors = check(args.root)
+    for e in errors:
+        print("layer violation:", e)
+    if not errors:
+        print("layers: clean")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

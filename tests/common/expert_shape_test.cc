@@ -1,0 +1,72 @@
+#include "common/expert_shape.h"
+
+#include "absl/status/status.h"
+#include "common/cluster_config.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace himoe {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::ExpertShape Shape() {
+  v1::ExpertShape s;
+  s.set_num_experts(8);
+  s.set_num_groups(4);
+  s.set_num_layers(2);
+  s.set_d_model(64);
+  s.set_d_ff(256);
+  s.set_seed(1);
+  s.set_dtype(v1::DTYPE_FLOAT32);
+  return s;
+}
+
+TEST(ExpertShapeTest, ValidShapePassesAndEachBadFieldIsNamed) {
+  EXPECT_TRUE(ValidateExpertShape(Shape()).ok());
+  struct Case {
+    void (*mutate)(v1::ExpertShape*);
+    const char* field;
+  } cases[] = {
+      {[](v1::ExpertShape* s) { s->set_num_experts(0); }, "num_experts"},
+      {[](v1::ExpertShape* s) { s->set_num_groups(3); }, "multiple of num_groups"},
+      {[](v1::ExpertShape* s) { s->set_num_layers(0); }, "num_layers"},
+      {[](v1::ExpertShape* s) { s->set_d_model(0); }, "d_model"},
+      {[](v1::ExpertShape* s) { s->set_d_ff(-1); }, "d_ff"},
+      {[](v1::ExpertShape* s) { s->set_dtype(v1::DTYPE_INT64); }, "dtype"},
+  };
+  for (const Case& c : cases) {
+    v1::ExpertShape s = Shape();
+    c.mutate(&s);
+    const absl::Status status = ValidateExpertShape(s);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(c.field));
+  }
+}
+
+TEST(ExpertShapeTest, HandshakeNamesEveryDifferingField) {
+  EXPECT_TRUE(CheckExpertShape(Shape(), Shape(), "group 0").ok());
+  v1::ExpertShape served = Shape();
+  served.set_seed(7);
+  served.set_dtype(v1::DTYPE_BFLOAT16);
+  const absl::Status s = CheckExpertShape(Shape(), served, "expert group 2 at 127.0.0.1:5");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(),
+            "expert group 2 at 127.0.0.1:5 serves seed 7, dtype bfloat16; the model needs "
+            "seed 1, dtype float32");
+}
+
+TEST(ExpertShapeTest, FromClusterFile) {
+  auto cluster = ParseClusterConfig(R"pb(
+    model { num_layers: 2 d_model: 64 d_ff: 256 num_experts: 8 seed: 1 }
+    groups { address: "127.0.0.1:1" } groups { address: "127.0.0.1:2" }
+    groups { address: "127.0.0.1:3" } groups { address: "127.0.0.1:4" }
+  )pb",
+                                    "test");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  EXPECT_TRUE(CheckExpertShape(Shape(), ExpertShapeFromCluster(*cluster), "cluster").ok());
+  EXPECT_EQ(ExpertShapeDebugString(Shape()), "N=8 M=4 layers=2 d_model=64 d_ff=256 seed=1 float32");
+}
+
+}  // namespace
+}  // namespace himoe

@@ -1,0 +1,124 @@
+// The model's settings as protos: every field survives the round trip the
+// checkpoint meta and the run log's config line take; the cluster file's
+// routing section; the experts' shape of a model.
+#include "model/model_config.h"
+
+#include <google/protobuf/util/message_differencer.h>
+
+#include "absl/status/status.h"
+#include "common/cluster_config.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "router_service/routing_config.h"
+
+namespace himoe::model {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Every field away from its default, so that a dropped field shows.
+ModelOptions Unusual() {
+  ModelOptions o;
+  o.vocab_size = 300;
+  o.block_size = 96;
+  o.n_layer = 6;
+  o.n_head = 3;
+  o.d_model = 48;
+  o.d_ff = 80;
+  o.dense_ff = 72;
+  o.moe_every = 2;
+  o.seed = 1234567890123ull;
+  o.expert_dtype = v1::DTYPE_BFLOAT16;
+  router::RoutingConfig& r = o.routing;
+  r.num_experts = 12;
+  r.num_groups = 3;
+  r.top_k = 2;
+  r.method = router::RoutingMethod::kMoge;
+  r.temperature = 0.7;
+  r.tau = 0.03;
+  r.ema_beta = 0.8;
+  r.lambda_intra = 0.2;
+  r.lambda_inter = 0.06;
+  r.alpha = 0.02;
+  r.z_coef = 0.002;
+  r.capacity_factor = 1.5;
+  r.loss_free_rate = 0.004;
+  r.renormalize = true;
+  r.inter_form = router::InterForm::kDenseGroupMass;
+  r.intra_source = router::ProbSource::kRaw;
+  r.load_source = router::ProbSource::kRaw;
+  return o;
+}
+
+TEST(ModelConfigTest, EveryFieldSurvivesTheProtoRoundTrip) {
+  const ModelOptions o = Unusual();
+  ASSERT_TRUE(ValidateModelOptions(o).ok());
+  const v1::ModelConfig proto = ModelConfigToProto(o);
+  EXPECT_EQ(proto.routing().method(), "moge");
+  EXPECT_EQ(proto.routing().inter_form(), "dense_group_mass");
+  EXPECT_EQ(proto.routing().intra_source(), "raw");
+  auto back = ModelOptionsFromProto(proto);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(ModelConfigToProto(*back), proto));
+  EXPECT_EQ(router::RoutingConfigDebugString(back->routing),
+            router::RoutingConfigDebugString(o.routing));
+  EXPECT_EQ(back->routing.loss_free_rate, 0.004);
+  EXPECT_EQ(back->expert_dtype, v1::DTYPE_BFLOAT16);
+}
+
+TEST(ModelConfigTest, UnknownNamesAreRefusedNamingTheField) {
+  v1::ModelConfig proto = ModelConfigToProto(Unusual());
+  proto.mutable_routing()->set_inter_form("sideways");
+  auto bad = ModelOptionsFromProto(proto);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("inter_form"));
+  proto = ModelConfigToProto(Unusual());
+  proto.mutable_routing()->set_method("magic");
+  EXPECT_THAT(std::string(ModelOptionsFromProto(proto).status().message()),
+              HasSubstr("'magic' is unknown"));
+}
+
+TEST(ModelConfigTest, AnUnsetExpertDtypeReadsAsFloat32) {
+  v1::ModelConfig proto = ModelConfigToProto(Unusual());
+  proto.clear_expert_dtype();
+  auto o = ModelOptionsFromProto(proto);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->expert_dtype, v1::DTYPE_FLOAT32);
+}
+
+TEST(ModelConfigTest, ExpertShapeOfAModel) {
+  const v1::ExpertShape s = ExpertShapeFor(Unusual());
+  EXPECT_EQ(s.num_experts(), 12);
+  EXPECT_EQ(s.num_groups(), 3);
+  EXPECT_EQ(s.num_layers(), 3);  // 6 layers, MoE on every other one
+  EXPECT_EQ(s.d_model(), 48);
+  EXPECT_EQ(s.d_ff(), 80);
+  EXPECT_EQ(s.seed(), 1234567890123ull);
+  EXPECT_EQ(s.dtype(), v1::DTYPE_BFLOAT16);
+}
+
+TEST(ModelConfigTest, RoutingOfAClusterFile) {
+  auto cluster = ParseClusterConfig(R"pb(
+    model { d_model: 8 d_ff: 8 num_experts: 4 top_k: 2 }
+    routing { method: "himoe" preset: "reference" tau: 0.5 capacity_factor: 0 }
+    groups { address: "127.0.0.1:1" } groups { address: "127.0.0.1:2" }
+  )pb",
+                                    "test");
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto r = RoutingConfigFromCluster(*cluster);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->num_experts, 4);
+  EXPECT_EQ(r->num_groups, 2);
+  EXPECT_EQ(r->top_k, 2);
+  EXPECT_EQ(r->method, router::RoutingMethod::kHiMoe);
+  EXPECT_TRUE(r->renormalize);                  // the reference preset
+  EXPECT_EQ(r->inter_form, router::InterForm::kDenseGroupMass);
+  EXPECT_EQ(r->tau, 0.5);                       // an explicit override
+  EXPECT_EQ(r->capacity_factor, 0.0);           // overrides the preset's 2.0
+  cluster->mutable_routing()->set_method("nope");
+  EXPECT_EQ(RoutingConfigFromCluster(*cluster).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace himoe::model

@@ -1,0 +1,65 @@
+#include "trainer/backend_moe.h"
+
+#include <utility>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "common/torch_runtime.h"
+
+namespace himoe::trainer {
+
+absl::StatusOr<std::unique_ptr<BackendMoE>> BackendMoE::Create(const model::ModelOptions& o,
+                                                               ExpertBackend* experts) {
+  HIMOE_RETURN_IF_ERROR(router::ValidateRoutingConfig(o.routing));
+  if (experts == nullptr || experts->num_groups() != o.routing.num_groups) {
+    return absl::InvalidArgumentError("model: the expert backend must have num_groups groups");
+  }
+  std::unique_ptr<BackendMoE> moe(new BackendMoE(o.d_model, experts));
+  for (int m = 0; m < model::NumMoeLayers(o); ++m) {
+    router::RouterLayerOptions ro;
+    ro.config = o.routing;
+    ro.d_model = o.d_model;
+    ro.seed = router::RouterSeedFor(o.seed, m);
+    HIMOE_ASSIGN_OR_RETURN(auto r, router::RouterLayer::Create(ro));
+    moe->routers_.push_back(std::move(r));
+  }
+  return moe;
+}
+
+absl::StatusOr<router::MoEOutput> BackendMoE::Forward(int layer, const at::Tensor& x,
+                                                      const model::MoECall& call) {
+  if (layer < 0 || layer >= num_layers()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("MoE layer ", layer, " of ", num_layers(), " does not exist"));
+  }
+  router::MoEOutput out;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+    HIMOE_ASSIGN_OR_RETURN(out.routing, routers_[layer]->Route(x, call.training));
+    std::vector<at::Tensor> rows, ids;
+    for (const router::GroupDispatch& d : out.routing.groups) {
+      rows.push_back(x.index_select(0, d.token_rows));
+      ids.push_back(d.expert_ids);
+    }
+    HIMOE_ASSIGN_OR_RETURN(
+        std::vector<at::Tensor> outputs,
+        experts_->Forward(layer, call.step, call.micro_batch, rows, ids, call.training));
+    for (at::Tensor& y : outputs) {
+      if (!y.defined()) y = at::zeros({0, d_model_}, x.options());
+    }
+    out.output = router::CombineGroupOutputs(x.size(0), d_model_, out.routing.groups, outputs);
+    return absl::OkStatus();
+  }));
+  return out;
+}
+
+absl::Status BackendMoE::LoadExpertState(int group, const std::vector<NamedTensor>& state) {
+  if (group < 0 || group >= num_groups()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert group ", group, " of ", num_groups(), " does not exist"));
+  }
+  return experts_->SetState(group, state);
+}
+
+}  // namespace himoe::trainer

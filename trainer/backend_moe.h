@@ -1,0 +1,48 @@
+#ifndef HIMOE_TRAINER_BACKEND_MOE_H_
+#define HIMOE_TRAINER_BACKEND_MOE_H_
+
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/named_tensor.h"
+#include "model/model_config.h"
+#include "model/moe_layers.h"
+#include "router_service/local_moe.h"
+#include "router_service/router_layer.h"
+#include "trainer/expert_backend.h"
+
+namespace himoe::trainer {
+
+// The LM's MoE layers for training: the routers here (seeded as LocalMoE's),
+// the experts in an ExpertBackend (in-process or on expert-group services).
+// Route, send each group its rows, combine.
+class BackendMoE final : public model::MoELayers {
+ public:
+  // `experts` (not owned) must outlive this and have the model's groups.
+  static absl::StatusOr<std::unique_ptr<BackendMoE>> Create(const model::ModelOptions& options,
+                                                            ExpertBackend* experts);
+
+  int num_layers() const override { return static_cast<int>(routers_.size()); }
+  int num_groups() const override { return experts_->num_groups(); }
+  absl::StatusOr<router::MoEOutput> Forward(int layer, const at::Tensor& x,
+                                            const model::MoECall& call) override;
+  router::RouterLayer& router(int layer) override { return *routers_[layer]; }
+  absl::Status LoadExpertState(int group, const std::vector<NamedTensor>& state) override;
+
+  ExpertBackend& experts() { return *experts_; }
+
+ private:
+  BackendMoE(int64_t d_model, ExpertBackend* experts) : d_model_(d_model), experts_(experts) {}
+
+  int64_t d_model_;
+  ExpertBackend* experts_;
+  std::vector<std::unique_ptr<router::RouterLayer>> routers_;
+};
+
+}  // namespace himoe::trainer
+
+#endif  // HIMOE_TRAINER_BACKEND_MOE_H_
