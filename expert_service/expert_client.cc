@@ -50,7 +50,7 @@ absl::StatusOr<std::unique_ptr<ExpertGroupClient>> ExpertGroupClient::Create(
 }
 
 void ExpertGroupClient::ForwardAsync(const v1::ExpertForwardRequest* request,
-                               v1::ExpertForwardResponse* response, Done done) {
+                                     v1::ExpertForwardResponse* response, Done done) {
   StartCall(
       [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
                           std::function<void(grpc::Status)> on_status) {
@@ -61,7 +61,7 @@ void ExpertGroupClient::ForwardAsync(const v1::ExpertForwardRequest* request,
 }
 
 void ExpertGroupClient::BackwardAsync(const v1::ExpertBackwardRequest* request,
-                                v1::ExpertBackwardResponse* response, Done done) {
+                                      v1::ExpertBackwardResponse* response, Done done) {
   StartCall(
       [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
                           std::function<void(grpc::Status)> on_status) {
@@ -71,7 +71,7 @@ void ExpertGroupClient::BackwardAsync(const v1::ExpertBackwardRequest* request,
 }
 
 void ExpertGroupClient::StepAsync(const v1::ExpertStepRequest* request,
-                            v1::ExpertStepResponse* response, Done done) {
+                                  v1::ExpertStepResponse* response, Done done) {
   StartCall(
       [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
                           std::function<void(grpc::Status)> on_status) {

@@ -109,7 +109,7 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
 void LogServing(ExpertServer& server, const ExpertServerOptions& options) {
   const ExpertServiceInfo info = server.core()->Info();
   LOG(INFO) << info.version << ": group " << info.group_id << " of "
-            << info.num_groups << ", experts [" << absl::StrJoin(info.expert_ids, ",")
+            << info.shape.num_groups() << ", experts [" << absl::StrJoin(info.expert_ids, ",")
             << "], " << ExpertShapeDebugString(info.shape) << " on " << info.device
             << (options.state_file.empty() ? "" : ", state from ") << options.state_file
             << "; serving on " << server.address();

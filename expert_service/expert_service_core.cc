@@ -65,13 +65,8 @@ ExpertServiceInfo ExpertServiceCore::Info() const {
   ExpertServiceInfo info;
   info.shape = shape;
   info.group_id = options_.group_id;
-  info.num_groups = shape.num_groups();
-  info.num_experts = shape.num_experts();
   for (int s = 0; s < experts_per_group_; ++s) info.expert_ids.push_back(first_expert() + s);
   for (int l = 0; l < num_layers(); ++l) info.layers.push_back(l);
-  info.d_model = shape.d_model();
-  info.d_ff = shape.d_ff();
-  info.dtype = dtype_;
   info.device = options_.device.str();
   info.version = kExpertServiceVersion;
   info.pending_saved = pending_saved();
@@ -85,13 +80,14 @@ void ExpertServiceCore::FillInfo(v1::ExpertInfoResponse* response) const {
   response->set_group_id(info.group_id);
   for (const int e : info.expert_ids) response->add_expert_ids(e);
   for (const int l : info.layers) response->add_layers(l);
-  response->set_d_model(info.d_model);
-  response->set_d_ff(info.d_ff);
+  // The fields from before `shape` existed, for older clients.
+  response->set_d_model(info.shape.d_model());
+  response->set_d_ff(info.shape.d_ff());
   response->set_dtype(info.shape.dtype());
   response->set_device(info.device);
   response->set_version(info.version);
-  response->set_num_experts(info.num_experts);
-  response->set_num_groups(info.num_groups);
+  response->set_num_experts(info.shape.num_experts());
+  response->set_num_groups(info.shape.num_groups());
   response->set_pending_saved(info.pending_saved);
   response->set_last_applied_step(info.last_applied_step);
   *response->mutable_shape() = info.shape;

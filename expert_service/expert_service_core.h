@@ -44,13 +44,8 @@ struct ExpertServiceOptions {
 struct ExpertServiceInfo {
   v1::ExpertShape shape;  // as served: the options' shape
   int group_id = 0;
-  int num_groups = 0;
-  int num_experts = 0;
   std::vector<int> expert_ids;
   std::vector<int> layers;
-  int64_t d_model = 0;
-  int64_t d_ff = 0;
-  c10::ScalarType dtype = c10::kFloat;
   std::string device;
   std::string version;
   int64_t pending_saved = 0;  // saved Forward states awaiting Backward

@@ -536,7 +536,7 @@ TEST_F(ExpertServiceTest, ReflectionListsTheServices) {
 TEST(ExpertServiceCoreTest, Bf16GroupAnswersInTheRequestDtype) {
   auto core = ExpertServiceCore::Create(CoreOptions(kSeed, v1::DTYPE_BFLOAT16));
   ASSERT_TRUE(core.ok()) << core.status();
-  EXPECT_EQ((*core)->Info().dtype, c10::kBFloat16);
+  EXPECT_EQ((*core)->Info().shape.dtype(), v1::DTYPE_BFLOAT16);
   const at::Tensor rows = at::randn({5, kD});
   v1::ExpertForwardResponse response;
   ASSERT_TRUE((*core)->Forward(MakeRequest(0, {{3, rows}}), &response).ok());
