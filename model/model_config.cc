@@ -39,6 +39,23 @@ absl::StatusOr<router::ProbSource> ParseProbSource(absl::string_view field,
                                                  " or ", kRaw));
 }
 
+constexpr char kCeil[] = "ceil";
+constexpr char kReleased[] = "released";
+constexpr char kPaper[] = "paper";
+
+// `name` of an enum with two values; empty reads as the first (fields added
+// after checkpoints were written).
+template <typename Enum>
+absl::StatusOr<Enum> ParseTwoWay(absl::string_view field, absl::string_view name,
+                                 const char* first, Enum first_value, const char* second,
+                                 Enum second_value) {
+  if (name.empty() || name == first) return first_value;
+  if (name == second) return second_value;
+  return absl::InvalidArgumentError(absl::StrCat("routing: ", field, " '", name,
+                                                 "' is unknown; expected ", first, " or ",
+                                                 second));
+}
+
 }  // namespace
 
 int MoeIndex(const ModelOptions& o, int layer) {
@@ -102,6 +119,15 @@ v1::RoutingSettings RoutingSettingsToProto(const router::RoutingConfig& c) {
   s.set_inter_form(InterFormName(c.inter_form));
   s.set_intra_source(ProbSourceName(c.intra_source));
   s.set_load_source(ProbSourceName(c.load_source));
+  s.set_capacity_rounding(c.capacity_rounding == router::CapacityRounding::kCeil ? kCeil
+                                                                                 : kReleased);
+  s.set_flat_load(c.flat_load == router::FlatLoadForm::kPaper ? kPaper : kReleased);
+  s.set_grouped_z_loss(c.grouped_z_loss);
+  s.set_router_scale(c.router_scale);
+  s.set_second_choice_threshold(c.second_choice_threshold);
+  s.set_sigmoid_scores(c.sigmoid_scores);
+  s.set_target_expert_cv(c.target_expert_cv);
+  s.set_balance_rate(c.balance_rate);
   return s;
 }
 
@@ -124,6 +150,20 @@ absl::StatusOr<router::RoutingConfig> RoutingConfigFromProto(const v1::RoutingSe
   HIMOE_ASSIGN_OR_RETURN(c.inter_form, ParseInterForm(s.inter_form()));
   HIMOE_ASSIGN_OR_RETURN(c.intra_source, ParseProbSource("intra_source", s.intra_source()));
   HIMOE_ASSIGN_OR_RETURN(c.load_source, ParseProbSource("load_source", s.load_source()));
+  HIMOE_ASSIGN_OR_RETURN(c.capacity_rounding,
+                         ParseTwoWay("capacity_rounding", s.capacity_rounding(), kCeil,
+                                     router::CapacityRounding::kCeil, kReleased,
+                                     router::CapacityRounding::kReleased));
+  HIMOE_ASSIGN_OR_RETURN(c.flat_load,
+                         ParseTwoWay("flat_load", s.flat_load(), kPaper,
+                                     router::FlatLoadForm::kPaper, kReleased,
+                                     router::FlatLoadForm::kReleased));
+  c.grouped_z_loss = s.grouped_z_loss();
+  c.router_scale = s.router_scale();
+  c.second_choice_threshold = s.second_choice_threshold();
+  c.sigmoid_scores = s.sigmoid_scores();
+  c.target_expert_cv = s.target_expert_cv();
+  c.balance_rate = s.balance_rate();
   HIMOE_RETURN_IF_ERROR(router::ValidateRoutingConfig(c));
   return c;
 }
@@ -180,6 +220,9 @@ absl::StatusOr<router::RoutingConfig> RoutingConfigFromCluster(const v1::Cluster
   if (r.has_z_coef()) c.z_coef = r.z_coef();
   if (r.has_capacity_factor()) c.capacity_factor = r.capacity_factor();
   if (r.has_renormalize()) c.renormalize = r.renormalize();
+  c.target_expert_cv = r.has_target_expert_cv() ? r.target_expert_cv()
+                                                : router::DefaultTargetExpertCv(c.method);
+  if (r.has_balance_rate()) c.balance_rate = r.balance_rate();
   HIMOE_RETURN_IF_ERROR(router::ValidateRoutingConfig(c));
   return c;
 }

@@ -75,6 +75,10 @@ absl::StatusOr<std::shared_ptr<TransformerLM>> TransformerLM::Create(const Model
       model->register_parameter(p + "gate", r.gate_weight());
       model->register_buffer(p + "logit_ema", r.logit_ema());
       model->register_buffer(p + "loss_free_bias", r.loss_free_bias());
+      model->register_buffer(p + "balance_upper", r.balance().upper);
+      model->register_buffer(p + "balance_lower", r.balance().lower);
+      model->register_buffer(p + "route_calls", r.route_calls());
+      if (r.router_scale().defined()) model->register_parameter(p + "router_scale", r.router_scale());
     }
     return absl::OkStatus();
   }));

@@ -27,8 +27,10 @@ struct ModelOutput {
 // nanoGPT-style decoder-only LM: token + position embeddings, pre-norm
 // blocks with causal self-attention, weight-tied head. The dense parts live
 // here; each MoE FFN is a call into `moe`, whose routers' tensors the LM
-// registers as its own: parameter "moe<l>_gate", buffers "moe<l>_logit_ema"
-// and "moe<l>_loss_free_bias" (checkpoints depend on these names).
+// registers as its own: parameters "moe<l>_gate" and (reference preset,
+// grouped methods) "moe<l>_router_scale"; buffers "moe<l>_logit_ema",
+// "moe<l>_loss_free_bias", "moe<l>_balance_upper", "moe<l>_balance_lower" and
+// "moe<l>_route_calls" (checkpoints depend on these names).
 class TransformerLM : public torch::nn::Module {
  public:
   // `moe` (not owned) must outlive the LM and have NumMoeLayers(options)

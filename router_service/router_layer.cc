@@ -19,9 +19,21 @@ std::vector<double> ToVector(const at::Tensor& t) {
   return std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
 }
 
+// The count-based statistics of `s` from its counts.
+void FillCountStats(const RoutingConfig& c, RoutingStats& s) {
+  s.expert_cv = CoefficientOfVariation(s.expert_counts);
+  s.group_cv = CoefficientOfVariation(s.group_counts);
+  s.max_vio = MaxViolation(s.expert_counts);
+  s.group_top_share = TopExpertShares(s.expert_counts, c.num_groups);
+  s.top_share = 0;
+  for (const double share : s.group_top_share) s.top_share += share / c.num_groups;
+  s.load_entropy = NormalizedLoadEntropy(s.expert_counts);
+}
+
 RoutingStats ComputeStats(const RoutingConfig& c, const at::Tensor& probs,
                           const at::Tensor& sparse, const at::Tensor& ids,
-                          const at::Tensor& kept, int64_t capacity) {
+                          const at::Tensor& kept, int64_t capacity,
+                          const at::Tensor& bias) {
   at::NoGradGuard no_grad;
   RoutingStats s;
   s.tokens = ids.size(0);
@@ -29,11 +41,10 @@ RoutingStats ComputeStats(const RoutingConfig& c, const at::Tensor& probs,
   s.expert_counts = ToVector(counts);
   s.group_counts = ToVector(counts.view({c.num_groups, -1}).sum(1));
   s.soft_group_load = ToVector(GroupSums(probs.detach(), c.num_groups).sum(0));
-  s.expert_cv = CoefficientOfVariation(s.expert_counts);
-  s.group_cv = CoefficientOfVariation(s.group_counts);
-  s.max_vio = MaxViolation(s.expert_counts);
+  FillCountStats(c, s);
   s.groups_per_token = GroupsPerToken(ids, c.experts_per_group(), c.num_groups);
-  s.c_ov = RoutingOverlap(probs.detach()).mean().item<double>();
+  s.mean_pi_sq = probs.detach().pow(2).sum(1).mean().item<double>();
+  s.c_ov = 1.0 - s.mean_pi_sq;  // mean of RoutingOverlap
   s.c_sys = SystemConcentration(sparse);
   const Theorem1Certificate cert = ComputeTheorem1Certificate(sparse, c.num_groups);
   s.cert_lhs = cert.lhs;
@@ -43,18 +54,80 @@ RoutingStats ComputeStats(const RoutingConfig& c, const at::Tensor& probs,
   s.dropped = kept.numel() - kept.sum().item<int64_t>();
   s.drop_rate = kept.numel() == 0 ? 0.0
                                   : static_cast<double>(s.dropped) / kept.numel();
+  s.balance_bias = ToVector(bias);
   return s;
+}
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
 }
 
 }  // namespace
 
+RoutingStats MergeRoutingStats(const RoutingConfig& c,
+                               const std::vector<RoutingStats>& batches) {
+  RoutingStats s;
+  s.expert_counts.assign(c.num_experts, 0.0);
+  s.group_counts.assign(c.num_groups, 0.0);
+  s.soft_group_load.assign(c.num_groups, 0.0);
+  int64_t assignments = 0;
+  for (const RoutingStats& b : batches) s.tokens += b.tokens;
+  for (const RoutingStats& b : batches) {
+    for (int i = 0; i < c.num_experts && i < static_cast<int>(b.expert_counts.size()); ++i) {
+      s.expert_counts[i] += b.expert_counts[i];
+    }
+    for (int g = 0; g < c.num_groups && g < static_cast<int>(b.group_counts.size()); ++g) {
+      s.group_counts[g] += b.group_counts[g];
+      if (g < static_cast<int>(b.soft_group_load.size())) s.soft_group_load[g] += b.soft_group_load[g];
+    }
+    const double w = s.tokens > 0 ? static_cast<double>(b.tokens) / s.tokens : 0.0;
+    s.groups_per_token += w * b.groups_per_token;
+    s.mean_pi_sq += w * b.mean_pi_sq;
+    s.c_ov += w * b.c_ov;
+    s.c_sys += w * b.c_sys;
+    s.cert_lhs += w * b.cert_lhs;
+    s.cert_rhs += w * b.cert_rhs;
+    s.collision_mi += w * b.collision_mi;
+    s.capacity = b.capacity;
+    s.dropped += b.dropped;
+    assignments += b.tokens * c.total_k();
+    s.balance_bias = b.balance_bias;
+  }
+  FillCountStats(c, s);
+  s.drop_rate = assignments > 0 ? static_cast<double>(s.dropped) / assignments : 0.0;
+  return s;
+}
+
 RouterLayer::RouterLayer(const RoutingConfig& config, int64_t d_model,
-                         at::Tensor gate)
-    : config_(config), d_model_(d_model), gate_weight_(std::move(gate)) {
+                         at::Tensor gate, uint64_t seed)
+    : config_(config), d_model_(d_model), gate_weight_(std::move(gate)), seed_(seed) {
   const auto opts = gate_weight_.options().requires_grad(false);
   logit_ema_ = at::zeros({config_.num_experts}, opts);
   loss_free_bias_ = at::zeros({config_.num_experts}, opts);
   pending_counts_ = at::zeros({config_.num_experts}, opts);
+  balance_.upper = at::zeros({config_.num_experts}, opts);
+  balance_.lower = at::zeros({config_.num_experts}, opts);
+  balance_.step = at::full({config_.num_experts}, config_.balance_rate, opts);
+  balance_.last = at::zeros({config_.num_experts}, opts);
+  route_calls_ = at::zeros({1}, opts.dtype(at::kLong));
+  if (config_.router_scale && IsGrouped(config_.method)) {
+    // [1, N] as in the released code, whose optimizer decays every matrix.
+    router_scale_ = at::ones({1, config_.num_experts}, opts).set_requires_grad(true);
+  }
+}
+
+at::Tensor RouterLayer::BalanceBias() const { return balance_.lower - balance_.upper; }
+
+uint64_t RouterLayer::DropSeed(bool training) {
+  uint64_t call = 0;
+  if (training) {
+    call = static_cast<uint64_t>(route_calls_.item<int64_t>()) + 1;
+    route_calls_.add_(1);
+  }
+  return SplitMix64(seed_ ^ SplitMix64(call));
 }
 
 absl::StatusOr<std::unique_ptr<RouterLayer>> RouterLayer::Create(
@@ -72,7 +145,8 @@ absl::StatusOr<std::unique_ptr<RouterLayer>> RouterLayer::Create(
                                  gen, at::dtype(at::kFloat))
                           .to(options.device)
                           .set_requires_grad(true);
-    layer.reset(new RouterLayer(options.config, options.d_model, std::move(gate)));
+    layer.reset(new RouterLayer(options.config, options.d_model, std::move(gate),
+                                options.seed));
     return absl::OkStatus();
   }));
   return layer;
@@ -107,34 +181,61 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
     const at::Tensor g =
         logits.scalar_type() == at::kDouble ? logits : logits.to(at::kFloat);
     const int64_t tokens = g.size(0);
+    const bool grouped = IsGrouped(c.method);
+    const bool controlled = c.target_expert_cv > 0;
     const at::Tensor p = at::softmax(g, -1);
     // pi: the bias-corrected distribution for himoe, p for every other method.
     at::Tensor pi = p;
+    at::Tensor pi_logits = g;
     if (c.method == RoutingMethod::kHiMoe) {
       if (training) UpdateLogitEma(logit_ema_, g, c.ema_beta);
-      pi = CorrectedProbs(g, logit_ema_, c.tau, c.temperature);
+      pi_logits = CorrectedLogits(g, logit_ema_, c.tau, c.temperature);
+      pi = at::softmax(pi_logits, -1);
     }
 
     Selection sel;
-    if (IsGrouped(c.method)) {
-      sel = SelectGroupedTopK(pi, c.num_groups, c.top_k);
-    } else if (c.method == RoutingMethod::kLossFree) {
-      sel = SelectFlatTopK(p + loss_free_bias_, c.total_k());
+    at::Tensor weight_source = pi;
+    if (c.method == RoutingMethod::kLossFree) {
+      if (c.sigmoid_scores) weight_source = at::sigmoid(g);
+      sel = SelectFlatTopK(weight_source + loss_free_bias_, c.total_k());
+    } else if (controlled && training) {
+      sel = SelectWithinBand(pi_logits);
     } else {
-      sel = SelectFlatTopK(p, c.total_k());
+      sel = Select(controlled ? pi_logits + BalanceBias().to(pi_logits.dtype()) : pi);
     }
     const at::Tensor sparse = SparseSelectedProbs(pi, sel.ids);
-    at::Tensor weights = pi.gather(1, sel.ids);
+    at::Tensor weights = weight_source.gather(1, sel.ids);
     if (c.renormalize) weights = RenormalizeWeights(weights);
+    const at::Tensor unscaled_weights = weights;
+    if (router_scale_.defined()) {
+      weights = weights * router_scale_.view(-1).index_select(0, sel.ids.reshape(-1))
+                              .view_as(sel.ids)
+                              .to(weights.scalar_type());
+    }
+    at::Tensor active;
+    if (c.method == RoutingMethod::kStMoe && c.second_choice_threshold > 0) {
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(DropSeed(training));
+      const at::Tensor u = at::rand(sel.ids.sizes(), gen, at::dtype(at::kDouble));
+      active = SecondChoiceActiveMask(weights, sel.rank, u, c.second_choice_threshold);
+    }
     const int64_t capacity =
-        ExpertCapacity(c.capacity_factor, c.total_k(), tokens, c.num_experts);
-    const at::Tensor kept = CapacityKeepMask(sel, c.num_experts, capacity);
+        c.capacity_rounding == CapacityRounding::kCeil
+            ? ExpertCapacity(c.capacity_factor, c.total_k(), tokens, c.num_experts)
+            : ReleasedExpertCapacity(c.capacity_factor, c.total_k(), tokens, c.num_experts,
+                                     /*round_to_even=*/c.method != RoutingMethod::kLossFree);
+    const at::Tensor kept = CapacityKeepMask(sel, c.num_experts, capacity, active);
 
     const at::Tensor zero = at::zeros({}, g.options().requires_grad(false));
     RoutingLosses& losses = out.losses;
     losses.load = losses.intra = losses.inter = losses.z = zero;
     const at::Tensor& load_probs = c.load_source == ProbSource::kCorrected ? pi : p;
-    if (c.method != RoutingMethod::kLossFree) {
+    const bool released_flat = c.flat_load == FlatLoadForm::kReleased;
+    if (c.method == RoutingMethod::kVanilla && released_flat) {
+      losses.load =
+          ReleasedVanillaLoadLoss(unscaled_weights, sel.ids, c.num_experts, c.alpha);
+    } else if (c.method == RoutingMethod::kStMoe && released_flat) {
+      losses.load = LoadBalancingLoss(load_probs, sel.ids.narrow(1, 0, 1), c.alpha);
+    } else if (c.method != RoutingMethod::kLossFree) {
       losses.load = LoadBalancingLoss(load_probs, sel.ids, c.alpha);
     }
     if (c.method == RoutingMethod::kHiMoe) {
@@ -145,14 +246,17 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
                          : InterGroupRegularizerDenseGroupMass(p, c.num_groups,
                                                                c.lambda_inter);
     }
-    if (c.method == RoutingMethod::kStMoe) losses.z = RouterZLoss(g, c.z_coef);
+    if (c.method == RoutingMethod::kStMoe || (grouped && c.grouped_z_loss)) {
+      losses.z = RouterZLoss(g, c.z_coef);
+    }
 
     if (training && c.method == RoutingMethod::kLossFree) {
       at::NoGradGuard no_grad;
+      if (c.method == RoutingMethod::kLossFree && c.sigmoid_scores) pending_counts_.zero_();
       pending_counts_.add_(
           at::bincount(sel.ids.reshape(-1), {}, c.num_experts).to(pending_counts_.options()));
     }
-    out.stats = ComputeStats(c, pi, sparse, sel.ids, kept, capacity);
+    out.stats = ComputeStats(c, pi, sparse, sel.ids, kept, capacity, BalanceBias());
     out.groups = BuildDispatchPlan(sel.ids, weights, kept, c.num_groups,
                                    c.experts_per_group());
     out.expert_ids = sel.ids;
@@ -164,7 +268,27 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
   return out;
 }
 
-void RouterLayer::ApplyLossFreeBiasUpdate() {
+Selection RouterLayer::Select(const at::Tensor& scores) const {
+  return IsGrouped(config_.method) ? SelectGroupedTopK(scores, config_.num_groups, config_.top_k)
+                                   : SelectFlatTopK(scores, config_.total_k());
+}
+
+Selection RouterLayer::SelectWithinBand(const at::Tensor& logits) {
+  const RoutingConfig& c = config_;
+  const double delta = kBalanceBand * c.target_expert_cv;
+  balance_.step.fill_(c.balance_rate);
+  balance_.last.zero_();
+  for (int iteration = 0;; ++iteration) {
+    Selection sel = Select(logits + BalanceBias().to(logits.dtype()));
+    const at::Tensor counts = at::bincount(sel.ids.reshape(-1), {}, c.num_experts);
+    const double mean = static_cast<double>(sel.ids.numel()) / c.num_experts;
+    const double worst = (counts.to(at::kDouble) - mean).abs().max().item<double>() / mean;
+    if (worst <= delta || iteration == kMaxBalanceIterations) return sel;
+    BalanceControllerUpdate(balance_, counts, c.target_expert_cv, kBalanceBand, c.balance_rate);
+  }
+}
+
+void RouterLayer::ApplyBiasUpdates() {
   if (config_.method != RoutingMethod::kLossFree) return;
   LossFreeBiasUpdate(loss_free_bias_, pending_counts_, config_.loss_free_rate);
   pending_counts_.zero_();

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "router_service/routing_config.h"
+#include "router_service/routing_math.h"
 
 namespace himoe::router {
 
@@ -49,9 +50,21 @@ struct RoutingStats {
   double cert_rhs = 0;  // M S_max mean ||pi_tilde_normalized||^2
   double collision_mi = 0;  // I_2 = log(N mean ||pi||^2)
   int64_t capacity = -1;    // per expert; -1 = dropless
-  int64_t dropped = 0;
+  int64_t dropped = 0;      // capacity drops and st_moe's second-choice drops
   double drop_rate = 0;     // dropped / (T*K)
+  // Collapse diagnostics (issue #10).
+  double mean_pi_sq = 0;                // mean ||pi||^2
+  std::vector<double> group_top_share;  // max_{i in g} c_i / L_g, length M
+  double top_share = 0;                 // mean of group_top_share
+  double load_entropy = 0;              // H(c / sum c) / log N
+  std::vector<double> balance_bias;     // the controller's selection bias, length N
 };
+
+// The statistics of several batches routed by the same layer (a validation
+// pass): count-based values from the summed counts, the others as
+// token-weighted means of the batches' values.
+RoutingStats MergeRoutingStats(const RoutingConfig& config,
+                               const std::vector<RoutingStats>& batches);
 
 struct RoutingOutput {
   at::Tensor expert_ids;  // int64 [T, K]
@@ -63,6 +76,9 @@ struct RoutingOutput {
   RoutingStats stats;
 };
 
+// Dual-ascent updates the controller may spend on one training batch.
+inline constexpr int kMaxBalanceIterations = 50;
+
 struct RouterLayerOptions {
   RoutingConfig config;
   int64_t d_model = 0;
@@ -70,24 +86,27 @@ struct RouterLayerOptions {
   c10::Device device = c10::Device(c10::kCPU);
 };
 
-// One MoE layer's router: the gate W_g (d -> N, no bias, fp32) and its state,
-// the logit EMA gbar (himoe) and the per-expert bias b (loss_free).
+// One MoE layer's router: the gate W_g (d -> N, no bias, fp32) and its state:
+// the logit EMA gbar (himoe), the per-expert bias b (loss_free), the balance
+// controller's multipliers, the router scale (reference preset, grouped
+// methods) and the count of training calls (st_moe's random drop).
 class RouterLayer {
  public:
   static absl::StatusOr<std::unique_ptr<RouterLayer>> Create(
       const RouterLayerOptions& options);
 
   // Routes x [T, d]. In training mode the EMA is updated first (himoe) and
-  // the expert counts for the loss_free bias update are accumulated.
+  // the expert counts for the bias updates are accumulated.
   absl::StatusOr<RoutingOutput> Route(const at::Tensor& x, bool training);
   // Same, from precomputed logits [T, N].
   absl::StatusOr<RoutingOutput> RouteLogits(const at::Tensor& logits,
                                             bool training);
 
-  // The loss_free update, called after each optimizer step: applies
-  // b_i += u*sign(mean c - c_i) on the counts accumulated since the last call
-  // and resets them. A no-op for the other methods.
-  void ApplyLossFreeBiasUpdate();
+  // Called after each optimizer step, on the counts accumulated since the
+  // last call (with sigmoid scores: the last micro-batch's), then resets
+  // them: loss_free's b_i += u*sign(mean c - c_i). A no-op for the other
+  // methods (the balance controller updates inside Route).
+  void ApplyBiasUpdates();
 
   const RoutingConfig& config() const { return config_; }
   int64_t d_model() const { return d_model_; }
@@ -95,9 +114,27 @@ class RouterLayer {
   at::Tensor& logit_ema() { return logit_ema_; }      // [N]
   at::Tensor& loss_free_bias() { return loss_free_bias_; }  // [N]
   at::Tensor& pending_counts() { return pending_counts_; }  // [N]
+  // The balance controller's state (BalanceControllerUpdate). In training,
+  // Route runs the dual ascent on the batch itself, from the multipliers the
+  // last batch left, until every expert's load is inside the band (at most
+  // kMaxBalanceIterations updates); evaluation and serving use the
+  // multipliers as they are.
+  BalanceState& balance() { return balance_; }
+  // b = lower - upper, added to the selection logits when target_expert_cv > 0.
+  at::Tensor BalanceBias() const;
+  // [1, N], requires grad; undefined unless config().router_scale and grouped.
+  at::Tensor& router_scale() { return router_scale_; }
+  at::Tensor& route_calls() { return route_calls_; }  // int64 [1]
 
  private:
-  RouterLayer(const RoutingConfig& config, int64_t d_model, at::Tensor gate);
+  RouterLayer(const RoutingConfig& config, int64_t d_model, at::Tensor gate, uint64_t seed);
+  // Top-k inside every group (grouped methods) or top-K over all N.
+  Selection Select(const at::Tensor& scores) const;
+  // The controller's training-time selection on the logits of pi.
+  Selection SelectWithinBand(const at::Tensor& logits);
+  // The seed of st_moe's second-choice draws: one stream per training call,
+  // a fixed one outside training.
+  uint64_t DropSeed(bool training);
 
   RoutingConfig config_;
   int64_t d_model_;
@@ -105,6 +142,10 @@ class RouterLayer {
   at::Tensor logit_ema_;
   at::Tensor loss_free_bias_;
   at::Tensor pending_counts_;
+  BalanceState balance_;
+  at::Tensor router_scale_;
+  at::Tensor route_calls_;
+  uint64_t seed_;
 };
 
 // Per-group dispatch plan from a [T, K] selection: group g gets the kept

@@ -45,6 +45,10 @@ bool IsGrouped(RoutingMethod method) {
   return method == RoutingMethod::kMoge || method == RoutingMethod::kHiMoe;
 }
 
+double DefaultTargetExpertCv(RoutingMethod method) {
+  return method == RoutingMethod::kHiMoe ? 0.1 : 0.0;
+}
+
 absl::Status ApplyPreset(absl::string_view preset, RoutingConfig* config) {
   const bool reference = preset == "reference";
   if (!reference && preset != "paper") {
@@ -57,6 +61,13 @@ absl::Status ApplyPreset(absl::string_view preset, RoutingConfig* config) {
   config->intra_source = reference ? ProbSource::kRaw : ProbSource::kCorrected;
   config->load_source = reference ? ProbSource::kRaw : ProbSource::kCorrected;
   config->capacity_factor = reference ? 2.0 : 0.0;
+  config->capacity_rounding =
+      reference ? CapacityRounding::kReleased : CapacityRounding::kCeil;
+  config->flat_load = reference ? FlatLoadForm::kReleased : FlatLoadForm::kPaper;
+  config->grouped_z_loss = reference;
+  config->router_scale = reference;
+  config->second_choice_threshold = reference ? 0.2 : 0.0;
+  config->sigmoid_scores = reference;
   return absl::OkStatus();
 }
 
@@ -90,11 +101,21 @@ absl::Status ValidateRoutingConfig(const RoutingConfig& c) {
       {"capacity_factor", c.capacity_factor, c.capacity_factor >= 0,
        ">= 0 (0 = dropless)"},
       {"loss_free_rate (u)", c.loss_free_rate, c.loss_free_rate >= 0, ">= 0"},
+      {"second_choice_threshold", c.second_choice_threshold,
+       c.second_choice_threshold >= 0, ">= 0 (0 = keep every pick)"},
+      {"target_expert_cv", c.target_expert_cv, c.target_expert_cv >= 0, ">= 0 (0 = off)"},
+      {"balance_rate (eta)", c.balance_rate, c.balance_rate >= 0, ">= 0"},
   };
   for (const Check& check : checks) {
     if (!std::isfinite(check.value) || !check.ok) {
       return Invalid(check.field, check.expected, check.value);
     }
+  }
+  if (c.target_expert_cv > 0 && c.method == RoutingMethod::kLossFree) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "routing config: target_expert_cv must be 0 for loss_free (it balances "
+        "with its own bias), got %g",
+        c.target_expert_cv));
   }
   return absl::OkStatus();
 }
@@ -103,13 +124,19 @@ std::string RoutingConfigDebugString(const RoutingConfig& c) {
   return absl::StrFormat(
       "method=%s N=%d M=%d k=%d T=%g tau=%g beta=%g lambda_intra=%g "
       "lambda_inter=%g alpha=%g c_z=%g capacity_factor=%g renormalize=%d "
-      "inter=%s intra=%s load=%s",
+      "inter=%s intra=%s load=%s capacity_rounding=%s flat_load=%s "
+      "grouped_z_loss=%d router_scale=%d second_choice_threshold=%g "
+      "sigmoid_scores=%d target_expert_cv=%g balance_rate=%g",
       RoutingMethodName(c.method), c.num_experts, c.num_groups, c.top_k,
       c.temperature, c.tau, c.ema_beta, c.lambda_intra, c.lambda_inter,
       c.alpha, c.z_coef, c.capacity_factor, c.renormalize,
       c.inter_form == InterForm::kSelectedWeights ? "selected" : "dense_group_mass",
       c.intra_source == ProbSource::kCorrected ? "pi" : "p",
-      c.load_source == ProbSource::kCorrected ? "pi" : "p");
+      c.load_source == ProbSource::kCorrected ? "pi" : "p",
+      c.capacity_rounding == CapacityRounding::kCeil ? "ceil" : "released",
+      c.flat_load == FlatLoadForm::kPaper ? "paper" : "released", c.grouped_z_loss,
+      c.router_scale, c.second_choice_threshold, c.sigmoid_scores, c.target_expert_cv,
+      c.balance_rate);
 }
 
 }  // namespace himoe::router

@@ -25,6 +25,16 @@ enum class ProbSource { kCorrected, kRaw };
 // weights; released code = mean sum_g (sum_{i in g} p_i)^2 (dense group mass).
 enum class InterForm { kSelectedWeights, kDenseGroupMass };
 
+// Expert capacity: paper = ceil(cf*K*T/N); released code = floor(cf*K*T/N),
+// rounded up to even (except loss_free), then at least 4.
+enum class CapacityRounding { kCeil, kReleased };
+
+// The flat methods' load loss. Paper: h_i = c_i/T, P_i = mean p_i. Released
+// code: vanilla takes P_i = sum of the selected (renormalized) weights of
+// expert i over T and h_i = c_i/(T*K); st_moe takes h_i from the top-1
+// choices only (P_i = mean p_i).
+enum class FlatLoadForm { kPaper, kReleased };
+
 struct RoutingConfig {
   int num_experts = 8;  // N
   int num_groups = 4;   // M
@@ -46,15 +56,48 @@ struct RoutingConfig {
   InterForm inter_form = InterForm::kSelectedWeights;
   ProbSource intra_source = ProbSource::kCorrected;
   ProbSource load_source = ProbSource::kCorrected;
+  CapacityRounding capacity_rounding = CapacityRounding::kCeil;
+  FlatLoadForm flat_load = FlatLoadForm::kPaper;
+  bool grouped_z_loss = false;  // z-loss on moge and himoe too
+  // A learnable per-expert scale (init 1) multiplies each selected expert's
+  // combine weight after renormalization; moge and himoe only.
+  bool router_scale = false;
+  // st_moe: a pick of rank >= 1 is kept with probability
+  // min(1, weight / threshold) (renormalized weight); 0 = keep every pick.
+  double second_choice_threshold = 0.0;
+  // loss_free: scores are sigmoid(g) instead of softmax, and the bias update
+  // uses the counts of the last micro-batch only.
+  bool sigmoid_scores = false;
+
+  // Balance controller (not in the paper): holds every expert's load within
+  // [1 - delta, 1 + delta] of the mean, delta = kBalanceBand * target, by
+  // projected dual ascent on per-expert selection biases, run on each
+  // training batch (RouterLayer::balance, BalanceControllerUpdate); then
+  // expert CV <= delta < target. 0 = off; not with loss_free, which has its
+  // own bias.
+  double target_expert_cv = 0.0;
+  double balance_rate = 0.1;  // the dual ascent's largest step, in logits per unit violation
 
   int experts_per_group() const { return num_experts / num_groups; }  // S
   int total_k() const { return num_groups * top_k; }                  // K
 };
 
+// The share of the target CV the controller's band uses; the rest is margin
+// for batch-to-batch noise of the counts.
+inline constexpr double kBalanceBand = 0.75;
+
+// The product default of target_expert_cv for a method: 0.1 for himoe (whose
+// objective collapses inside groups without it; README "Balance"), 0 (off)
+// for the others.
+double DefaultTargetExpertCv(RoutingMethod method);
+
 // Sets every paper/released-code switch at once. `preset` is "paper" (the
 // paper's formulas, dropless) or "reference" (the authors' released code:
-// renormalized weights, dense-group-mass R_inter, raw-p R_intra and load
-// loss, capacity factor 2.0).
+// every row of the spec's last table: renormalized weights, dense-group-mass
+// R_inter, raw-p R_intra and load loss, capacity factor 2.0 with its
+// rounding, z-loss on the grouped methods, the router scale, the released
+// flat load losses, st_moe's random second-choice drop at 0.2, loss_free's
+// sigmoid scores).
 absl::Status ApplyPreset(absl::string_view preset, RoutingConfig* config);
 
 // Rejects inconsistent configs with a message that names the field.

@@ -18,9 +18,14 @@ void UpdateLogitEma(at::Tensor& ema, const at::Tensor& logits, double beta) {
   ema.mul_(beta).add_(logits.detach().mean(0), 1.0 - beta);
 }
 
+at::Tensor CorrectedLogits(const at::Tensor& logits, const at::Tensor& ema,
+                           double tau, double temperature) {
+  return (logits - tau * ema.detach()) / temperature;
+}
+
 at::Tensor CorrectedProbs(const at::Tensor& logits, const at::Tensor& ema,
                           double tau, double temperature) {
-  return at::softmax((logits - tau * ema.detach()) / temperature, -1);
+  return at::softmax(CorrectedLogits(logits, ema, tau, temperature), -1);
 }
 
 Selection SelectFlatTopK(const at::Tensor& scores, int64_t total_k) {
@@ -97,10 +102,28 @@ int64_t ExpertCapacity(double capacity_factor, int64_t total_k,
       static_cast<double>(num_experts)));
 }
 
+int64_t ReleasedExpertCapacity(double capacity_factor, int64_t total_k,
+                               int64_t num_tokens, int64_t num_experts,
+                               bool round_to_even) {
+  if (capacity_factor <= 0) return -1;
+  int64_t cap = static_cast<int64_t>(std::floor(
+      capacity_factor * static_cast<double>(total_k * num_tokens) /
+      static_cast<double>(num_experts)));
+  if (round_to_even) cap += cap % 2;
+  return std::max<int64_t>(cap, 4);
+}
+
 at::Tensor CapacityKeepMask(const Selection& selection, int64_t num_experts,
-                            int64_t capacity) {
+                            int64_t capacity, const at::Tensor& active) {
   const at::Tensor ids = selection.ids.to(at::kCPU).contiguous();
-  if (capacity < 0) return at::ones(ids.sizes(), ids.options().dtype(at::kBool));
+  if (capacity < 0) {
+    return active.defined() ? active.to(selection.ids.device(), at::kBool)
+                            : at::ones(ids.sizes(), selection.ids.options().dtype(at::kBool));
+  }
+  const at::Tensor act = active.defined()
+                             ? active.to(at::kCPU, at::kBool).contiguous()
+                             : at::ones(ids.sizes(), at::dtype(at::kBool));
+  const auto on = act.accessor<bool, 2>();
   const at::Tensor rank = selection.rank.to(at::kCPU).contiguous();
   const int64_t tokens = ids.size(0);
   const int64_t k_total = ids.size(1);
@@ -113,7 +136,7 @@ at::Tensor CapacityKeepMask(const Selection& selection, int64_t num_experts,
   for (int64_t r = 0; r <= max_rank; ++r) {
     for (int64_t t = 0; t < tokens; ++t) {
       for (int64_t j = 0; j < k_total; ++j) {
-        if (rk[t][j] != r) continue;
+        if (rk[t][j] != r || !on[t][j]) continue;
         int64_t& u = used[id[t][j]];
         if (u < capacity) {
           ++u;
@@ -123,6 +146,41 @@ at::Tensor CapacityKeepMask(const Selection& selection, int64_t num_experts,
     }
   }
   return kept.to(selection.ids.device());
+}
+
+at::Tensor SecondChoiceActiveMask(const at::Tensor& weights, const at::Tensor& rank,
+                                  const at::Tensor& uniform, double threshold) {
+  at::NoGradGuard no_grad;
+  return rank.eq(0) | uniform.to(weights.device()).lt(weights.detach() / threshold);
+}
+
+at::Tensor ReleasedVanillaLoadLoss(const at::Tensor& weights, const at::Tensor& ids,
+                                   int64_t num_experts, double alpha) {
+  const double tokens = static_cast<double>(ids.size(0));
+  const at::Tensor h =
+      TokenFractions(ids, num_experts, ids.size(0) * ids.size(1)).to(weights.options());
+  const at::Tensor p = at::zeros({num_experts}, weights.options())
+                           .index_add(0, ids.reshape(-1), weights.reshape(-1)) /
+                       tokens;
+  return alpha * static_cast<double>(num_experts) * (h * p).sum();
+}
+
+void BalanceControllerUpdate(BalanceState& state, const at::Tensor& counts, double target_cv,
+                             double band, double rate) {
+  at::NoGradGuard no_grad;
+  const at::Tensor c = counts.to(state.upper.device(), at::kDouble);
+  const double mean = c.mean().item<double>();
+  if (mean <= 0) return;
+  const double delta = band * target_cv;
+  const at::Tensor x = (c - mean) / mean;
+  const at::Tensor last = state.last.to(at::kDouble);
+  const at::Tensor flipped = (x * last).lt(0);
+  const at::Tensor step = at::where(flipped, state.step.to(at::kDouble) * 0.5,
+                                    at::clamp_max(state.step.to(at::kDouble) * 1.2, rate));
+  state.upper.copy_(at::clamp_min(state.upper.to(at::kDouble) + step * (x - delta), 0.0));
+  state.lower.copy_(at::clamp_min(state.lower.to(at::kDouble) + step * (-x - delta), 0.0));
+  state.step.copy_(step);
+  state.last.copy_(x);
 }
 
 void LossFreeBiasUpdate(at::Tensor& bias, const at::Tensor& counts, double u) {
@@ -151,6 +209,27 @@ double MaxViolation(const std::vector<double>& load) {
   const double mean = Mean(load);
   if (mean <= 0) return 0.0;
   return (*std::max_element(load.begin(), load.end()) - mean) / mean;
+}
+
+std::vector<double> TopExpertShares(const std::vector<double>& load, int64_t num_groups) {
+  std::vector<double> shares(num_groups, 0.0);
+  const size_t per_group = load.size() / num_groups;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const auto begin = load.begin() + g * per_group;
+    const double total = std::accumulate(begin, begin + per_group, 0.0);
+    if (total > 0) shares[g] = *std::max_element(begin, begin + per_group) / total;
+  }
+  return shares;
+}
+
+double NormalizedLoadEntropy(const std::vector<double>& load) {
+  const double total = std::accumulate(load.begin(), load.end(), 0.0);
+  if (total <= 0 || load.size() < 2) return 0.0;
+  double h = 0;
+  for (const double c : load) {
+    if (c > 0) h -= c / total * std::log(c / total);
+  }
+  return h / std::log(static_cast<double>(load.size()));
 }
 
 at::Tensor GroupSums(const at::Tensor& per_expert, int64_t num_groups) {

@@ -19,6 +19,10 @@ at::Tensor RouterLogits(const at::Tensor& x, const at::Tensor& gate_weight);
 // (Bias correction, paper Sec. 3.3; done before the EMA is used.)
 void UpdateLogitEma(at::Tensor& ema, const at::Tensor& logits, double beta);
 
+// (g(x) - tau*gbar) / T: the logits of pi. (Bias-corrected routing, Sec. 3.3.)
+at::Tensor CorrectedLogits(const at::Tensor& logits, const at::Tensor& ema,
+                           double tau, double temperature);
+
 // pi(x) = softmax((g(x) - tau*gbar) / T). (Bias-corrected routing, Sec. 3.3.)
 at::Tensor CorrectedProbs(const at::Tensor& logits, const at::Tensor& ema,
                           double tau, double temperature);
@@ -71,13 +75,53 @@ at::Tensor RouterZLoss(const at::Tensor& logits, double z_coef);
 int64_t ExpertCapacity(double capacity_factor, int64_t total_k,
                        int64_t num_tokens, int64_t num_experts);
 
+// Released-code capacity: floor(capacity_factor * K * T / N), plus one when
+// odd if `round_to_even` (all routers but loss_free), then at least 4;
+// capacity_factor <= 0 = no limit (-1).
+int64_t ReleasedExpertCapacity(double capacity_factor, int64_t total_k,
+                               int64_t num_tokens, int64_t num_experts,
+                               bool round_to_even);
+
 // Keeps assignments in priority order (every rank-0 choice before any rank-1
 // choice, then by token index) while the expert has room. kept [T, K] bool.
+// Assignments where `active` [T, K] bool (optional) is false are not kept
+// and take no room.
 at::Tensor CapacityKeepMask(const Selection& selection, int64_t num_experts,
-                            int64_t capacity);
+                            int64_t capacity, const at::Tensor& active = {});
+
+// st_moe (released code): a pick of rank >= 1 stays with probability
+// min(1, weight / threshold), one uniform draw u [T, K] per pick:
+// active = rank == 0 || u < weight / threshold. [T, K] bool.
+at::Tensor SecondChoiceActiveMask(const at::Tensor& weights, const at::Tensor& rank,
+                                  const at::Tensor& uniform, double threshold);
+
+// Released vanilla load loss: alpha * N * sum_i h_i * P_i with
+// h_i = c_i / (T*K) and P_i = (sum of the selected weights of expert i) / T.
+at::Tensor ReleasedVanillaLoadLoss(const at::Tensor& weights, const at::Tensor& ids,
+                                   int64_t num_experts, double alpha);
 
 // loss_free: b_i <- b_i + u * sign(mean_j c_j - c_i), in place, no gradient.
 void LossFreeBiasUpdate(at::Tensor& bias, const at::Tensor& counts, double u);
+
+// Balance controller: projected dual ascent on the per-expert load band
+// (1-delta)*cbar <= c_i <= (1+delta)*cbar, cbar = mean c, delta = band * target.
+// With x_i = (c_i - cbar)/cbar, the multipliers of the upper and lower
+// constraints move by
+//   upper_i <- max(0, upper_i + step_i * (x_i - delta)),
+//   lower_i <- max(0, lower_i + step_i * (-x_i - delta)),
+// and the selection bias is b = lower - upper: the Lagrangian of the balanced
+// assignment (each token picks top-k of its scores, loads within the band)
+// picks top-k of score + b. Tokens whose scores nearly tie make the loads a
+// steep function of b, so a fixed step overshoots and the load flips between
+// experts from step to step; each expert's step therefore halves when x_i
+// changes sign and grows by 1.2x (up to `rate`) while it keeps it (Rprop's
+// rule). `last` holds the previous x. In place, no gradient; a no-op for
+// all-zero counts.
+struct BalanceState {
+  at::Tensor upper, lower, step, last;  // [N] each
+};
+void BalanceControllerUpdate(BalanceState& state, const at::Tensor& counts, double target_cv,
+                             double band, double rate);
 
 // ---- Statistics (no gradient; plain numbers for metrics) ----
 
@@ -86,6 +130,14 @@ double CoefficientOfVariation(const std::vector<double>& load);
 
 // MaxVio = (max_i c_i - mean c) / mean c (loss-free paper's imbalance metric).
 double MaxViolation(const std::vector<double>& load);
+
+// Each group's top expert's share of the group's load, max_{i in g} c_i / L_g
+// (1/S balanced, 1 collapsed; 0 for an empty group), length M.
+std::vector<double> TopExpertShares(const std::vector<double>& load, int64_t num_groups);
+
+// Entropy of the load distribution c / sum c, divided by log N: 1 = uniform,
+// 0 = one expert takes everything (and for an all-zero load or N = 1).
+double NormalizedLoadEntropy(const std::vector<double>& load);
 
 // Mean over tokens of the number of distinct groups among the token's picks.
 double GroupsPerToken(const at::Tensor& ids, int64_t experts_per_group,

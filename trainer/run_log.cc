@@ -1,5 +1,6 @@
 #include "trainer/run_log.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <google/protobuf/util/json_util.h>
@@ -36,7 +37,12 @@ Json LayerJson(const router::RoutingStats& st) {
               {"c_sys", Sig6(st.c_sys)},
               {"cert_lhs", Sig6(st.cert_lhs)},
               {"cert_rhs", Sig6(st.cert_rhs)},
-              {"drop_rate", Sig6(st.drop_rate)}};
+              {"drop_rate", Sig6(st.drop_rate)},
+              {"mean_pi_sq", Sig6(st.mean_pi_sq)},
+              {"top_share", Sig6(st.top_share)},
+              {"group_top_share", Sig6(st.group_top_share)},
+              {"load_entropy", Sig6(st.load_entropy)},
+              {"balance_bias", Sig6(st.balance_bias)}};
 }
 
 std::string Duration(double seconds) {
@@ -47,7 +53,8 @@ std::string Duration(double seconds) {
 // Counts summed over steps, per MoE layer.
 struct WindowBalance {
   std::vector<std::vector<double>> experts, groups;
-  std::vector<double> groups_per_token;
+  std::vector<double> groups_per_token, mean_pi_sq;
+  std::vector<double> bias_min, bias_max;  // of the last step
 };
 
 WindowBalance Balance(const std::deque<StepResult>& steps) {
@@ -56,6 +63,9 @@ WindowBalance Balance(const std::deque<StepResult>& steps) {
     w.experts.resize(s.layers.size());
     w.groups.resize(s.layers.size());
     w.groups_per_token.resize(s.layers.size(), 0.0);
+    w.mean_pi_sq.resize(s.layers.size(), 0.0);
+    w.bias_min.resize(s.layers.size(), 0.0);
+    w.bias_max.resize(s.layers.size(), 0.0);
     for (size_t l = 0; l < s.layers.size(); ++l) {
       const auto& st = s.layers[l];
       w.experts[l].resize(st.expert_counts.size(), 0.0);
@@ -63,6 +73,11 @@ WindowBalance Balance(const std::deque<StepResult>& steps) {
       for (size_t e = 0; e < st.expert_counts.size(); ++e) w.experts[l][e] += st.expert_counts[e];
       for (size_t g = 0; g < st.group_counts.size(); ++g) w.groups[l][g] += st.group_counts[g];
       w.groups_per_token[l] += st.groups_per_token / steps.size();
+      w.mean_pi_sq[l] += st.mean_pi_sq / steps.size();
+      if (!st.balance_bias.empty()) {
+        w.bias_min[l] = *std::min_element(st.balance_bias.begin(), st.balance_bias.end());
+        w.bias_max[l] = *std::max_element(st.balance_bias.begin(), st.balance_bias.end());
+      }
     }
   }
   return w;
@@ -120,12 +135,15 @@ void RunLog::OnStep(const StepResult& s) {
   WriteLine(line.dump());
 }
 
-void RunLog::OnEval(int64_t step, double val_loss) {
-  last_val_loss_ = val_loss;
+void RunLog::OnEval(int64_t step, const EvalResult& eval) {
+  last_val_loss_ = eval.loss;
+  Json layers = Json::array();
+  for (const auto& st : eval.layers) layers.push_back(LayerJson(st));
   const Json line = {{"kind", "eval"},
                      {"step", step},
-                     {"val_loss", Sig6(val_loss)},
-                     {"val_ppl", Sig6(std::exp(val_loss))}};
+                     {"val_loss", Sig6(eval.loss)},
+                     {"val_ppl", Sig6(std::exp(eval.loss))},
+                     {"layers", std::move(layers)}};
   WriteLine(line.dump());
 }
 
@@ -134,26 +152,41 @@ std::string RunLog::ProgressLine() const {
   const StepResult& s = recent_.back();
   const double rate = tokens_ / std::max(seconds_, 1e-9);
   const double eta = seconds_ / steps_seen_ * (total_steps_ - s.step);
-  double cv = 0;
-  for (const auto& st : s.layers) cv += st.expert_cv / s.layers.size();
+  double cv = 0, top = 0;
+  for (const auto& st : s.layers) {
+    cv += st.expert_cv / s.layers.size();
+    top = std::max(top, st.top_share);
+  }
   const std::string val_ppl =
       last_val_loss_ < 0 ? "-" : absl::StrFormat("%.3f", std::exp(last_val_loss_));
   return absl::StrFormat(
-      "step %d/%d | loss %.4f (ce %.4f) | val ppl %s | CV %.3f | %.1fk tok/s | ETA %s", s.step,
-      total_steps_, s.loss, s.task, val_ppl, cv, rate / 1000, Duration(eta));
+      "step %d/%d | loss %.4f (ce %.4f) | val ppl %s | CV %.3f | top share %.2f | %.1fk tok/s | "
+      "ETA %s",
+      s.step, total_steps_, s.loss, s.task, val_ppl, cv, top, rate / 1000, Duration(eta));
 }
 
 std::string RunLog::FinalReport() const {
   const WindowBalance w = Balance(recent_);
   std::string out = absl::StrFormat("Routing balance over the last %d steps:\n", recent_.size());
-  absl::StrAppend(&out, absl::StrFormat("%-6s %10s %10s %10s %14s\n", "layer", "expert CV",
-                                        "group CV", "MaxVio", "groups/token"));
+  absl::StrAppend(&out, absl::StrFormat("%-6s %10s %10s %10s %14s %10s %10s %10s %16s\n",
+                                        "layer", "expert CV", "group CV", "MaxVio",
+                                        "groups/token", "top share", "load H", "|pi|^2",
+                                        "bias range"));
+  const int num_groups = recent_.back().layers.empty()
+                             ? 1
+                             : static_cast<int>(recent_.back().layers[0].group_counts.size());
   for (size_t l = 0; l < w.experts.size(); ++l) {
-    absl::StrAppend(&out, absl::StrFormat("%-6d %10.4f %10.4f %10.4f %14.3f\n", l,
-                                          router::CoefficientOfVariation(w.experts[l]),
-                                          router::CoefficientOfVariation(w.groups[l]),
-                                          router::MaxViolation(w.experts[l]),
-                                          w.groups_per_token[l]));
+    double top = 0;
+    for (const double share : router::TopExpertShares(w.experts[l], num_groups)) {
+      top += share / num_groups;
+    }
+    absl::StrAppend(
+        &out, absl::StrFormat("%-6d %10.4f %10.4f %10.4f %14.3f %10.3f %10.3f %10.3f %16s\n", l,
+                              router::CoefficientOfVariation(w.experts[l]),
+                              router::CoefficientOfVariation(w.groups[l]),
+                              router::MaxViolation(w.experts[l]), w.groups_per_token[l], top,
+                              router::NormalizedLoadEntropy(w.experts[l]), w.mean_pi_sq[l],
+                              absl::StrFormat("[%+.3f, %+.3f]", w.bias_min[l], w.bias_max[l])));
   }
   return out;
 }

@@ -28,11 +28,13 @@ class RunLog {
   // names) with "kind":"config".
   void OnConfig(const v1::RunConfig& config);
   void OnStep(const StepResult& step);
-  void OnEval(int64_t step, double val_loss);
+  void OnEval(int64_t step, const EvalResult& eval);
   // "step 120/600 | loss 2.31 | val ppl 9.84 | CV 0.12 | 5.3k tok/s | ETA 1m12s"
   std::string ProgressLine() const;
-  // Expert CV, group CV, MaxVio, groups/token per MoE layer over the last
-  // `window` steps (counts summed, then the statistic).
+  // Expert CV, group CV, MaxVio, groups/token, the top expert's share inside
+  // its group, the load entropy and mean ||pi||^2 per MoE layer over the last
+  // `window` steps (counts summed, then the statistic), and the controller's
+  // bias range when it is on.
   std::string FinalReport() const;
   double last_val_loss() const { return last_val_loss_; }
 

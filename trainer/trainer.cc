@@ -155,7 +155,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
     hyper.beta1 = options_.beta1;
     hyper.beta2 = options_.beta2;
     HIMOE_RETURN_IF_ERROR(experts_->Step(step, hyper, scale));
-    for (int m = 0; m < model_->num_moe_layers(); ++m) model_->router(m).ApplyLossFreeBiasUpdate();
+    for (int m = 0; m < model_->num_moe_layers(); ++m) model_->router(m).ApplyBiasUpdates();
     return absl::OkStatus();
   });
   if (!status.ok()) {
@@ -168,9 +168,10 @@ absl::StatusOr<StepResult> Trainer::Step() {
   return r;
 }
 
-absl::StatusOr<double> Trainer::Evaluate() {
+absl::StatusOr<EvalResult> Trainer::Evaluate() {
   double total = 0;
   int64_t batches = 0;
+  std::vector<std::vector<router::RoutingStats>> per_layer(model_->num_moe_layers());
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
     torch::NoGradGuard no_grad;
     model_->eval();
@@ -179,12 +180,20 @@ absl::StatusOr<double> Trainer::Evaluate() {
       HIMOE_ASSIGN_OR_RETURN(model::ModelOutput out,
                              model_->Forward(batch.x, batch.y, 0, 0, false));
       total += out.task_loss.item<double>();
+      for (size_t l = 0; l < out.stats.size() && l < per_layer.size(); ++l) {
+        per_layer[l].push_back(std::move(out.stats[l]));
+      }
       ++batches;
     }
     return absl::OkStatus();
   }));
   if (batches == 0) return absl::FailedPreconditionError("no validation windows");
-  return total / batches;
+  EvalResult r;
+  r.loss = total / batches;
+  for (const auto& layer : per_layer) {
+    r.layers.push_back(router::MergeRoutingStats(options_.model.routing, layer));
+  }
+  return r;
 }
 
 }  // namespace himoe::trainer

@@ -69,17 +69,25 @@ struct StepResult {
   std::vector<router::RoutingStats> layers;  // per MoE layer, last micro-batch
 };
 
+struct EvalResult {
+  double loss = 0;  // mean cross entropy over the validation windows
+  // Per MoE layer, over every validation batch (router::MergeRoutingStats).
+  std::vector<router::RoutingStats> layers;
+};
+
 // Trains the LM: dense parts and routers here, experts in the backend.
 // One optimizer step = grad_accum micro-batches, one global grad-norm clip
-// over all shards, AdamW on both sides, then the loss_free bias update.
+// over all shards, AdamW on both sides, then the routers' bias updates
+// (loss_free, the balance controller).
 class Trainer {
  public:
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(const TrainerOptions& options);
   ~Trainer();
 
   absl::StatusOr<StepResult> Step();
-  // Mean cross entropy over the fixed validation windows.
-  absl::StatusOr<double> Evaluate();
+  // Mean cross entropy and routing statistics over the fixed validation
+  // windows.
+  absl::StatusOr<EvalResult> Evaluate();
 
   int64_t step() const { return step_; }
   // For checkpoint/resume.

@@ -53,6 +53,11 @@ ABSL_FLAG(double, lambda_inter, 0.05, "R_inter weight");
 ABSL_FLAG(double, alpha, 0.01, "load-loss weight");
 ABSL_FLAG(double, z_coef, 0.001, "z-loss weight (st_moe)");
 ABSL_FLAG(double, capacity_factor, -1, "expert capacity factor; -1 = the preset's");
+ABSL_FLAG(double, target_expert_cv, -1,
+          "balance controller: hold every layer's expert load CV at or under this; "
+          "-1 = the method's default (0.1 for himoe, off for the others), 0 = off");
+ABSL_FLAG(double, balance_rate, 0.1,
+          "balance controller: dual-ascent step, in logits per unit of load violation");
 ABSL_FLAG(int, num_experts, 8, "N");
 ABSL_FLAG(int, num_groups, 4, "M (one expert process each)");
 ABSL_FLAG(int, top_k, 1, "k experts per group");
@@ -107,6 +112,9 @@ absl::StatusOr<router::RoutingConfig> RoutingFromFlags() {
   if (absl::GetFlag(FLAGS_capacity_factor) >= 0) {
     c.capacity_factor = absl::GetFlag(FLAGS_capacity_factor);
   }
+  const double target = absl::GetFlag(FLAGS_target_expert_cv);
+  c.target_expert_cv = target < 0 ? router::DefaultTargetExpertCv(c.method) : target;
+  c.balance_rate = absl::GetFlag(FLAGS_balance_rate);
   HIMOE_RETURN_IF_ERROR(router::ValidateRoutingConfig(c));
   return c;
 }
@@ -227,10 +235,10 @@ absl::Status StartMetrics(TrainerOptions* o, MetricsEndpoint* endpoint) {
 // Evaluates and logs; returns the validation loss.
 absl::StatusOr<double> Evaluate(Trainer& trainer, int64_t step, RunLog& log,
                                 TrainerMetrics* metrics) {
-  HIMOE_ASSIGN_OR_RETURN(const double val, trainer.Evaluate());
+  HIMOE_ASSIGN_OR_RETURN(const EvalResult val, trainer.Evaluate());
   log.OnEval(step, val);
   if (metrics != nullptr) metrics->OnEval(val);
-  return val;
+  return val.loss;
 }
 
 // Steps until options.steps, evaluating, checkpointing and reporting progress

@@ -40,6 +40,16 @@ TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_
   auto& rhs = gauge("himoe_trainer_theorem1_rhs",
                     "Theorem 1 bound: M S_max mean ||pi_tilde_normalized||^2");
   auto& drop = gauge("himoe_trainer_drop_rate", "Share of assignments dropped by capacity");
+  auto& pi_sq = gauge("himoe_trainer_mean_pi_sq",
+                      "Mean ||pi||^2 of the routing distribution (1/N uniform, 1 one-hot)");
+  auto& top_share = gauge("himoe_trainer_top_expert_share",
+                          "The top expert's share of its group's assignments, last step "
+                          "(1/S balanced, 1 collapsed)");
+  auto& entropy = gauge("himoe_trainer_load_entropy",
+                        "Entropy of the expert load over log N (1 uniform, 0 one expert)");
+  auto& bias = gauge("himoe_trainer_balance_bias",
+                     "Balance controller's selection bias per expert (logits)");
+  auto& val_cv = gauge("himoe_trainer_val_expert_cv", "Expert-load CV over the validation set");
   const int s = num_experts / num_groups;
   for (int l = 0; l < num_layers; ++l) {
     const std::string layer = std::to_string(l);
@@ -57,6 +67,16 @@ TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_
     x.cert_lhs = &lhs.Add({{"layer", layer}});
     x.cert_rhs = &rhs.Add({{"layer", layer}});
     x.drop_rate = &drop.Add({{"layer", layer}});
+    x.mean_pi_sq = &pi_sq.Add({{"layer", layer}});
+    x.load_entropy = &entropy.Add({{"layer", layer}});
+    x.val_expert_cv = &val_cv.Add({{"layer", layer}});
+    for (int g = 0; g < num_groups; ++g) {
+      x.top_share.push_back(&top_share.Add({{"layer", layer}, {"group", std::to_string(g)}}));
+    }
+    for (int e = 0; e < num_experts; ++e) {
+      x.balance_bias.push_back(&bias.Add(
+          {{"layer", layer}, {"group", std::to_string(e / s)}, {"expert", std::to_string(e)}}));
+    }
     layers_.push_back(x);
   }
   val_loss_ = &gauge("himoe_trainer_val_loss", "Validation cross entropy").Add({});
@@ -106,6 +126,14 @@ void TrainerMetrics::OnStep(const StepResult& s) {
     x.cert_lhs->Set(st.cert_lhs);
     x.cert_rhs->Set(st.cert_rhs);
     x.drop_rate->Set(st.drop_rate);
+    x.mean_pi_sq->Set(st.mean_pi_sq);
+    x.load_entropy->Set(st.load_entropy);
+    for (size_t g = 0; g < st.group_top_share.size() && g < x.top_share.size(); ++g) {
+      x.top_share[g]->Set(st.group_top_share[g]);
+    }
+    for (size_t e = 0; e < st.balance_bias.size() && e < x.balance_bias.size(); ++e) {
+      x.balance_bias[e]->Set(st.balance_bias[e]);
+    }
   }
   tokens_per_second_->Set(s.tokens / std::max(s.seconds, 1e-9));
   step_->Set(static_cast<double>(s.step));
@@ -115,9 +143,12 @@ void TrainerMetrics::OnStep(const StepResult& s) {
   trained_tokens_->Increment(static_cast<double>(s.tokens));
 }
 
-void TrainerMetrics::OnEval(double val_loss) {
-  val_loss_->Set(val_loss);
-  val_ppl_->Set(std::exp(val_loss));
+void TrainerMetrics::OnEval(const EvalResult& eval) {
+  val_loss_->Set(eval.loss);
+  val_ppl_->Set(std::exp(eval.loss));
+  for (size_t l = 0; l < eval.layers.size() && l < layers_.size(); ++l) {
+    layers_[l].val_expert_cv->Set(eval.layers[l].expert_cv);
+  }
 }
 
 void TrainerMetrics::OnRpc(int group, const std::string& rpc, double seconds) {

@@ -22,7 +22,7 @@ class TrainerMetrics {
                  int num_experts);
 
   void OnStep(const StepResult& step);
-  void OnEval(double val_loss);
+  void OnEval(const EvalResult& eval);
   // Thread-safe; called from gRPC threads.
   void OnRpc(int group, const std::string& rpc, double seconds);
 
@@ -30,7 +30,9 @@ class TrainerMetrics {
   struct Layer {
     std::vector<prometheus::Counter*> tokens;  // per expert
     prometheus::Gauge *expert_cv, *group_cv, *max_vio, *groups_per_token, *c_ov, *c_sys,
-        *cert_lhs, *cert_rhs, *drop_rate;
+        *cert_lhs, *cert_rhs, *drop_rate, *mean_pi_sq, *load_entropy, *val_expert_cv;
+    std::vector<prometheus::Gauge*> top_share;     // per group
+    std::vector<prometheus::Gauge*> balance_bias;  // per expert
   };
 
   int num_groups_;

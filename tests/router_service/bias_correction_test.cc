@@ -91,7 +91,7 @@ TEST(LossFreeBiasTest, UpdateFollowsSignOfMeanMinusCount) {
   MustRoute(*router, ToTensor({{0.0, 0.0, 0.0, 9.0}}), false);
   EXPECT_EQ(ToNested<double>(router->pending_counts().unsqueeze(0))[0],
             (std::vector<double>{3, 2, 1, 0}));
-  router->ApplyLossFreeBiasUpdate();
+  router->ApplyBiasUpdates();
   const auto bias = ToNested<double>(router->loss_free_bias().unsqueeze(0))[0];
   const std::vector<double> expected = {-0.001, -0.001, 0.001, 0.001};
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(bias[i], expected[i], 1e-9);
@@ -99,7 +99,7 @@ TEST(LossFreeBiasTest, UpdateFollowsSignOfMeanMinusCount) {
 
   // A balanced step leaves the bias where it is (sign(0) = 0).
   MustRoute(*router, ToTensor({{5.0, 4.0, 0.0, 0.0}, {0.0, 0.0, 5.0, 4.0}}), true);
-  router->ApplyLossFreeBiasUpdate();
+  router->ApplyBiasUpdates();
   const auto unchanged = ToNested<double>(router->loss_free_bias().unsqueeze(0))[0];
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(unchanged[i], expected[i], 1e-9);
 }
@@ -107,7 +107,7 @@ TEST(LossFreeBiasTest, UpdateFollowsSignOfMeanMinusCount) {
 TEST(LossFreeBiasTest, BiasUpdateIsNoOpForOtherMethods) {
   auto router = MakeRouter(Config(RoutingMethod::kVanilla, 4, 2, 1));
   MustRoute(*router, ToTensor({{5.0, 4.0, 0.0, 0.0}}), true);
-  router->ApplyLossFreeBiasUpdate();
+  router->ApplyBiasUpdates();
   EXPECT_TRUE(router->loss_free_bias().eq(0).all().item<bool>());
 }
 

@@ -1,4 +1,6 @@
 // Capacity: cap = ceil(cf*K*T/N), drops in priority order (spec "Capacity").
+#include <string>
+
 #include <gtest/gtest.h>
 
 #include "router_service/routing_math.h"
@@ -8,6 +10,7 @@ namespace himoe::router {
 namespace {
 
 using testing::Config;
+using testing::Ids;
 using testing::MakeRouter;
 using testing::MustRoute;
 using testing::ToNested;
@@ -55,6 +58,123 @@ TEST(CapacityTest, RouterDropsAndReportsDropRate) {
   EXPECT_EQ(dispatched, 4);
   // Counts (and CV) are of the routing decision, before drops.
   EXPECT_EQ(out.stats.expert_counts, (std::vector<double>{3, 2, 2, 1}));
+}
+
+// Scores that put expert ids[t][j] at position j: the first gets 10, the
+// next 9, ...; every expert not listed gets -1 - its index (no ties).
+at::Tensor LogitsRanking(const Ids& order, int n) {
+  testing::Matrix m;
+  for (const auto& row : order) {
+    std::vector<double> z(n);
+    for (int i = 0; i < n; ++i) z[i] = -1.0 - i;
+    for (size_t j = 0; j < row.size(); ++j) z[row[j]] = 10.0 - static_cast<double>(j);
+    m.push_back(z);
+  }
+  return ToTensor(m);
+}
+
+TEST(CapacityTest, GroupedTwoPerGroupSecondChoicesWaitForAllFirstChoices) {
+  // moge, N=6 in M=2 groups ({0,1,2}, {3,4,5}), k=2 per group, K=4, T=3,
+  // cf=0.5 -> cap = ceil(0.5*4*3/6) = 1. The picks, best first per group:
+  //   token 0: {1, 0 | 3, 4}   token 1: {0, 2 | 4, 5}   token 2: {2, 1 | 5, 3}
+  // Each expert is one token's first choice and another's second choice.
+  // First choices first: every token keeps exactly its two first choices.
+  //   kept = {1,0,1,0} for all three tokens.
+  // Token order instead would give token 0 all four, token 1 {0,1,0,1},
+  // token 2 nothing; ranks laid out by group ({0,0,1,1}) give the same.
+  RoutingConfig c = Config(RoutingMethod::kMoge, 6, 2, 2);
+  c.capacity_factor = 0.5;
+  auto router = MakeRouter(c);
+  const Ids picks = {{1, 0, 3, 4}, {0, 2, 4, 5}, {2, 1, 5, 3}};
+  const RoutingOutput out = MustRoute(*router, LogitsRanking(picks, 6), false);
+  ASSERT_EQ(ToNested(out.expert_ids), picks);
+  EXPECT_EQ(out.stats.capacity, 1);
+  EXPECT_EQ(ToNested(out.kept), (Ids{{1, 0, 1, 0}, {1, 0, 1, 0}, {1, 0, 1, 0}}));
+  EXPECT_EQ(out.stats.dropped, 6);
+  EXPECT_DOUBLE_EQ(out.stats.drop_rate, 6.0 / 12.0);
+}
+
+TEST(CapacityTest, GroupedTwoPerGroupRanksRestartInEveryGroup) {
+  // himoe (tau = 0, so pi = p), N=8 in M=2 groups ({0..3}, {4..7}), k=2,
+  // K=4, T=4, cf=0.75 -> cap = ceil(0.75*4*4/8) = 2.
+  //   token 0: {0, 1 | 4, 5}
+  //   token 1: {1, 0 | 5, 4}
+  //   token 2: {2, 0 | 4, 6}
+  //   token 3: {3, 1 | 7, 4}
+  // Rank 0 (each group's first choice), by token: 0->0, 1->4 | 1->1, 1->5 |
+  //   2->2, 2->4 (expert 4: 2nd) | 3->3, 3->7. All kept.
+  // Rank 1: t0: 1 (2nd, kept), 5 (2nd, kept) | t1: 0 (2nd, kept), 4 (full) |
+  //   t2: 0 (full), 6 (kept) | t3: 1 (full), 4 (full).
+  // Token order would instead keep all of token 1's picks (its second choice
+  // 4 included) and drop token 2's FIRST choice 4.
+  RoutingConfig c = Config(RoutingMethod::kHiMoe, 8, 2, 2);
+  c.tau = 0.0;
+  c.capacity_factor = 0.75;
+  auto router = MakeRouter(c);
+  const Ids picks = {{0, 1, 4, 5}, {1, 0, 5, 4}, {2, 0, 4, 6}, {3, 1, 7, 4}};
+  const RoutingOutput out = MustRoute(*router, LogitsRanking(picks, 8), false);
+  ASSERT_EQ(ToNested(out.expert_ids), picks);
+  EXPECT_EQ(out.stats.capacity, 2);
+  EXPECT_EQ(ToNested(out.kept),
+            (Ids{{1, 1, 1, 1}, {1, 1, 1, 0}, {1, 0, 1, 1}, {1, 0, 1, 0}}));
+  EXPECT_EQ(out.stats.dropped, 4);
+}
+
+TEST(CapacityTest, FlatThreeChoicesByRankThenToken) {
+  // vanilla, N=6, M=3, k=1 -> flat K=3, T=3, cf=0.5 -> cap = ceil(0.75) = 1.
+  //   token 0: {0, 1, 2}   token 1: {1, 3, 0}   token 2: {3, 2, 4}
+  // Rank 0: 0 (t0), 1 (t1), 3 (t2) kept. Rank 1: t0's 1 full, t1's 3 full,
+  // t2's 2 kept. Rank 2: t0's 2 full, t1's 0 full, t2's 4 kept.
+  // Token order would give {1,1,1}, {0,1,0}, {0,0,1}.
+  RoutingConfig c = Config(RoutingMethod::kVanilla, 6, 3, 1);
+  c.capacity_factor = 0.5;
+  auto router = MakeRouter(c);
+  const Ids picks = {{0, 1, 2}, {1, 3, 0}, {3, 2, 4}};
+  const RoutingOutput out = MustRoute(*router, LogitsRanking(picks, 6), false);
+  ASSERT_EQ(ToNested(out.expert_ids), picks);
+  EXPECT_EQ(out.stats.capacity, 1);
+  EXPECT_EQ(ToNested(out.kept), (Ids{{1, 0, 0}, {1, 0, 0}, {1, 1, 1}}));
+  EXPECT_EQ(out.stats.dropped, 4);
+}
+
+TEST(CapacityTest, RandomBatchesMatchTheHandDropRule) {
+  // Against the oracle's selection and its sorted-list drop rule.
+  at::manual_seed(29);
+  struct Shape {
+    RoutingMethod method;
+    int n, m, k;
+  };
+  const Shape shapes[] = {{RoutingMethod::kMoge, 8, 2, 2},    {RoutingMethod::kHiMoe, 12, 3, 3},
+                          {RoutingMethod::kMoge, 16, 4, 2},   {RoutingMethod::kVanilla, 8, 2, 1},
+                          {RoutingMethod::kVanilla, 8, 4, 1}, {RoutingMethod::kStMoe, 12, 3, 2}};
+  int64_t total_dropped = 0;
+  for (const Shape& sh : shapes) {
+    for (double cf : {0.3, 0.6, 1.0, 1.5}) {
+      RoutingConfig c = Config(sh.method, sh.n, sh.m, sh.k);
+      c.capacity_factor = cf;
+      c.tau = 0.0;
+      auto router = MakeRouter(c);
+      const int64_t tokens = 20;
+      const at::Tensor logits = at::randn({tokens, sh.n}, at::kDouble) * 2;
+      const RoutingOutput out = MustRoute(*router, logits, false);
+      const testing::HandRoute want = testing::HandRouting(
+          c, testing::ToMatrix(logits), std::vector<double>(sh.n, 0.0));
+      const std::string what =
+          std::string(RoutingMethodName(sh.method)) + " cf=" + std::to_string(cf);
+      ASSERT_EQ(ToNested(out.expert_ids), want.ids) << what;
+      const int64_t cap = testing::HandCapacity(cf, c.total_k(), tokens, sh.n);
+      EXPECT_EQ(out.stats.capacity, cap) << what;
+      const Ids kept = testing::HandKeepMask(want.ids, want.rank, sh.n, cap);
+      EXPECT_EQ(ToNested(out.kept), kept) << what;
+      int64_t dropped = 0;
+      for (const auto& row : kept) {
+        for (int64_t v : row) dropped += 1 - v;
+      }
+      EXPECT_EQ(out.stats.dropped, dropped) << what;
+      total_dropped += dropped;
+    }
+  }
+  EXPECT_GT(total_dropped, 0);
 }
 
 TEST(CapacityTest, GroupedRanksAreWithinGroup) {

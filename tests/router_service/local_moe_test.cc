@@ -41,26 +41,64 @@ DoubleParams CopyAsDouble(const LocalMoE& moe_const) {
   return p;
 }
 
-// out[t] = sum_j kept[t][j] * w[t][j] * FFN_{e[t][j]}(x_t), with w recomputed
-// from the gate: softmax of the (corrected) logits, gathered, renormalized.
+// The routing decision recomputed in the test from x and the gate alone:
+// logits by loops in double, gbar updated by hand (himoe, training), the
+// oracle's selection and its capacity drop rule. Nothing is read from the
+// code's RoutingOutput.
+struct HandDecision {
+  testing::Ids ids, kept;
+  std::vector<double> ema;  // the gbar pi uses (= the EMA after the call)
+  testing::Ids ids_on_p;    // what selection on raw p would pick
+  double margin = 0;
+  int64_t capacity = -1;
+};
+
+HandDecision DecideByHand(const RoutingConfig& c, const at::Tensor& x, const at::Tensor& gate,
+                          const std::vector<double>& ema_before,
+                          const std::vector<double>& bias, bool training) {
+  const testing::Matrix xm = testing::ToMatrix(x), w = testing::ToMatrix(gate);
+  testing::Matrix logits(xm.size(), std::vector<double>(w.size(), 0.0));
+  for (size_t t = 0; t < xm.size(); ++t) {
+    for (size_t i = 0; i < w.size(); ++i) {
+      for (size_t d = 0; d < xm[t].size(); ++d) logits[t][i] += xm[t][d] * w[i][d];
+    }
+  }
+  HandDecision h;
+  h.ema = c.method == RoutingMethod::kHiMoe && training
+              ? testing::HandEmaUpdate(ema_before, logits, c.ema_beta)
+              : ema_before;
+  const testing::HandRoute r = testing::HandRouting(c, logits, h.ema, bias);
+  h.ids = r.ids;
+  h.margin = testing::HandSelectionMargin(c, r);
+  h.capacity = testing::HandCapacity(c.capacity_factor, c.total_k(),
+                                     static_cast<int64_t>(xm.size()), c.num_experts);
+  h.kept = testing::HandKeepMask(r.ids, r.rank, c.num_experts, h.capacity);
+  RoutingConfig on_p = c;
+  if (on_p.method == RoutingMethod::kHiMoe) on_p.method = RoutingMethod::kMoge;
+  h.ids_on_p = testing::HandRouting(on_p, logits, h.ema).ids;
+  return h;
+}
+
+// out[t] = sum_j kept[t][j] * w[t][j] * FFN_{e[t][j]}(x_t), with the hand
+// ids and kept mask, and w recomputed from the gate: softmax of the
+// (corrected, with the hand gbar) logits, gathered, renormalized.
 at::Tensor DenseReference(const RoutingConfig& c, const at::Tensor& x, const DoubleParams& p,
-                          const at::Tensor& ema, const RoutingOutput& routing) {
+                          const HandDecision& hand) {
   const at::Tensor logits = at::matmul(x, p.gate.t());
+  const at::Tensor ema = at::tensor(hand.ema, at::kDouble);
   const at::Tensor probs = c.method == RoutingMethod::kHiMoe
-      ? at::softmax((logits - c.tau * ema.to(at::kDouble)) / c.temperature, 1)
+      ? at::softmax((logits - c.tau * ema) / c.temperature, 1)
       : at::softmax(logits, 1);
-  const auto ids = testing::ToNested(routing.expert_ids);
-  const auto kept = testing::ToNested(routing.kept);
   const int s = c.experts_per_group();
   std::vector<at::Tensor> rows;
   for (int64_t t = 0; t < x.size(0); ++t) {
-    at::Tensor w = probs[t].index_select(0, routing.expert_ids[t]);
+    at::Tensor w = probs[t].index_select(0, at::tensor(hand.ids[t], at::kLong));
     if (c.renormalize) w = w / w.sum();
     at::Tensor y = at::zeros({kD}, at::kDouble);
-    for (size_t j = 0; j < ids[t].size(); ++j) {
-      if (!kept[t][j]) continue;
-      const auto& g = p.groups[ids[t][j] / s];
-      const int64_t e = ids[t][j] % s;
+    for (size_t j = 0; j < hand.ids[t].size(); ++j) {
+      if (!hand.kept[t][j]) continue;
+      const auto& g = p.groups[hand.ids[t][j] / s];
+      const int64_t e = hand.ids[t][j] % s;
       const at::Tensor h = Gelu(at::mv(g[0][e], x[t]) + g[1][e]);
       y = y + w[j] * (at::mv(g[2][e], h) + g[3][e]);
     }
@@ -83,27 +121,51 @@ TEST_P(LocalMoETest, ForwardAndBackwardMatchDenseReference) {
   at::manual_seed(17);
   LocalMoEOptions o;
   o.routing = testing::Config(tc.method, 8, 4, tc.k);
-  ASSERT_TRUE(ApplyPreset(tc.preset, &o.routing).ok());
+  ASSERT_TRUE(testing::ApplyOraclePreset(tc.preset, &o.routing).ok());
   if (tc.capacity_factor >= 0) o.routing.capacity_factor = tc.capacity_factor;
   o.routing.tau = 0.2;  // visible correction
   o.shape = testing::Shape(8, 4, kD, kDff, 99);
   auto moe_or = LocalMoE::Create(o);
   ASSERT_TRUE(moe_or.ok()) << moe_or.status();
   LocalMoE& moe = **moe_or;
+  std::vector<double> bias(8, 0.0);
   if (tc.method == RoutingMethod::kLossFree) {
     moe.router().loss_free_bias().copy_(at::randn({8}) * 0.05);
+    bias = testing::ToVector(moe.router().loss_free_bias());
   }
+  if (tc.method == RoutingMethod::kHiMoe) {
+    // A non-zero gbar, so pi differs from p and its update matters.
+    moe.router().logit_ema().copy_(at::randn({8}) * 0.5);
+  }
+  const std::vector<double> ema_before = testing::ToVector(moe.router().logit_ema());
   const at::Tensor x = at::randn({kTokens, kD}).requires_grad_();
-  auto out = moe.Forward(x, /*training=*/true);
-  ASSERT_TRUE(out.ok()) << out.status();
-  if (tc.capacity_factor > 0 && tc.capacity_factor < 1) {
-    EXPECT_GT(out->routing.stats.dropped, 0);
-  }
-
   const DoubleParams ref_params = CopyAsDouble(moe);
   const at::Tensor x_ref = x.detach().to(at::kDouble).requires_grad_();
-  const at::Tensor ref = DenseReference(o.routing, x_ref, ref_params,
-                                        moe.router().logit_ema(), out->routing);
+  const HandDecision hand = DecideByHand(o.routing, x_ref.detach(), ref_params.gate.detach(),
+                                         ema_before, bias, /*training=*/true);
+  ASSERT_GT(hand.margin, 1e-5) << "the hand selection is too close to a tie";
+  if (tc.method == RoutingMethod::kHiMoe) {
+    ASSERT_NE(hand.ids, hand.ids_on_p) << "pi and p select alike: the case proves nothing";
+  }
+
+  auto out = moe.Forward(x, /*training=*/true);
+  ASSERT_TRUE(out.ok()) << out.status();
+  // The routing decision and the EMA, against the hand computation.
+  EXPECT_EQ(testing::ToNested(out->routing.expert_ids), hand.ids);
+  EXPECT_EQ(out->routing.stats.capacity, hand.capacity);
+  EXPECT_EQ(testing::ToNested(out->routing.kept), hand.kept);
+  const std::vector<double> ema_after = testing::ToVector(moe.router().logit_ema());
+  for (int i = 0; i < 8; ++i) EXPECT_NEAR(ema_after[i], hand.ema[i], 1e-6) << "gbar[" << i << "]";
+  if (tc.capacity_factor > 0 && tc.capacity_factor < 1) {
+    int64_t dropped = 0;
+    for (const auto& row : hand.kept) {
+      for (int64_t v : row) dropped += 1 - v;
+    }
+    EXPECT_GT(dropped, 0);
+    EXPECT_EQ(out->routing.stats.dropped, dropped);
+  }
+
+  const at::Tensor ref = DenseReference(o.routing, x_ref, ref_params, hand);
   ExpectClose(out->output, ref, 1e-5, "output");
 
   const at::Tensor upstream = at::randn({kTokens, kD}, at::kDouble);
@@ -134,6 +196,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{RoutingMethod::kHiMoe, "paper", -1, 2},
                       Case{RoutingMethod::kHiMoe, "reference", -1, 1},
                       Case{RoutingMethod::kHiMoe, "paper", 0.5, 1},
+                      Case{RoutingMethod::kHiMoe, "paper", 0.5, 2},
+                      Case{RoutingMethod::kMoge, "paper", 0.5, 2},
                       Case{RoutingMethod::kVanilla, "reference", 0.5, 2}),
     [](const auto& info) {
       const Case& c = info.param;
@@ -158,6 +222,11 @@ TEST(LocalMoEBf16Test, Bf16ExpertsStayWithinDocumentedTolerance) {
   auto b = (*bf16)->Forward(x, false);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_TRUE(at::equal(a->routing.expert_ids, b->routing.expert_ids));
+  // Both route in fp32: the ids are the hand selection (eval, gbar = 0).
+  const HandDecision hand =
+      DecideByHand(o.routing, x.to(at::kDouble), (*fp32)->router().gate_weight().detach(),
+                   std::vector<double>(8, 0.0), {}, /*training=*/false);
+  EXPECT_EQ(testing::ToNested(a->routing.expert_ids), hand.ids);
   const double rel = ((b->output - a->output).norm() / a->output.norm()).item<double>();
   EXPECT_LT(rel, 2e-2);
   EXPECT_GT(rel, 0.0);  // it really ran in bf16

@@ -77,6 +77,67 @@ TEST(SelectionTest, HiMoeWeightsUseTemperature) {
   ExpectWeights(out, pi, {{0, 2}, {1, 3}}, false);
 }
 
+// Corrected scores (g - tau*gbar)/T of kLogits, by hand, for a given gbar.
+Matrix Corrected(const std::vector<double>& ema, double tau) {
+  Matrix out;
+  for (const auto& row : kLogits) {
+    std::vector<double> z;
+    for (size_t i = 0; i < row.size(); ++i) z.push_back(row[i] - tau * ema[i]);
+    out.push_back(z);
+  }
+  return out;
+}
+
+TEST(SelectionTest, HiMoeSelectsOnPiWithANonZeroEma) {
+  // gbar = {2, 0, 0, 1.5}, tau = 1, T = 1, eval mode (gbar frozen).
+  //   token 0: g - gbar = {0, 1, 0.5, -1.5}  -> group {0,1}: 1, group {2,3}: 2
+  //   token 1: g - gbar = {-2, 3, 1, 0.5}    -> group {0,1}: 1, group {2,3}: 2
+  // Selection on p would give {0, 2} and {1, 3} (HandSelectionTest).
+  const std::vector<double> ema = {2.0, 0.0, 0.0, 1.5};
+  const std::vector<std::vector<int64_t>> on_pi = {{1, 2}, {1, 2}};
+  const std::vector<std::vector<int64_t>> on_p = {{0, 2}, {1, 3}};
+  for (bool renormalize : {false, true}) {
+    RoutingConfig config = Config(RoutingMethod::kHiMoe, 4, 2, 1);
+    config.tau = 1.0;
+    config.renormalize = renormalize;
+    auto router = MakeRouter(config);
+    router->logit_ema().copy_(at::tensor({2.0, 0.0, 0.0, 1.5}));
+    const RoutingOutput out = MustRoute(*router, ToTensor(kLogits), /*training=*/false);
+    EXPECT_EQ(ToNested(out.expert_ids), on_pi);
+    const Matrix z = Corrected(ema, 1.0);
+    ExpectWeights(out, {Softmax(z[0]), Softmax(z[1])}, on_pi, renormalize);
+    EXPECT_EQ(ToNested<double>(router->logit_ema().unsqueeze(0))[0], ema);  // eval: frozen
+  }
+  // moge ignores the EMA: it selects and weighs on p.
+  auto moge = MakeRouter(Config(RoutingMethod::kMoge, 4, 2, 1));
+  moge->logit_ema().copy_(at::tensor({2.0, 0.0, 0.0, 1.5}));
+  const RoutingOutput out = MustRoute(*moge, ToTensor(kLogits), false);
+  EXPECT_EQ(ToNested(out.expert_ids), on_p);
+  ExpectWeights(out, {Softmax(kLogits[0]), Softmax(kLogits[1])}, on_p, false);
+}
+
+TEST(SelectionTest, HiMoeTrainingSelectsOnPiOfTheUpdatedEma) {
+  // gbar0 = {-2, 2, -2, 1}, beta = 0.5, tau = 1, T = 1, training mode.
+  // mean_tokens g = {1, 2, 0.75, 1}, so the EMA used is
+  //   gbar1 = 0.5*gbar0 + 0.5*mean = {-0.5, 2, -0.625, 1}.
+  //   token 0: g - gbar1 = {2.5, -1, 1.125, -1}   -> {0, 2}
+  //   token 1: g - gbar1 = {0.5, 1, 1.625, 1}     -> {1, 2}
+  // On p token 1 would take {1, 3}; on the stale gbar0 ({2, 1, 3, 1}) {0, 2}.
+  RoutingConfig config = Config(RoutingMethod::kHiMoe, 4, 2, 1);
+  config.tau = 1.0;
+  config.ema_beta = 0.5;
+  auto router = MakeRouter(config);
+  router->logit_ema().copy_(at::tensor({-2.0, 2.0, -2.0, 1.0}));
+  const RoutingOutput out = MustRoute(*router, ToTensor(kLogits), /*training=*/true);
+  const std::vector<std::vector<int64_t>> ids = {{0, 2}, {1, 2}};
+  EXPECT_EQ(ToNested(out.expert_ids), ids);
+  const std::vector<double> ema1 = {-0.5, 2.0, -0.625, 1.0};
+  const auto got = ToNested<double>(router->logit_ema().unsqueeze(0))[0];
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(got[i], ema1[i], 1e-7) << "gbar[" << i << "]";
+  const Matrix z = Corrected(ema1, 1.0);
+  ExpectWeights(out, {Softmax(z[0]), Softmax(z[1])}, ids, false);
+}
+
 TEST(SelectionTest, LossFreeSelectsOnBiasedScoresButWeighsByP) {
   auto router = MakeRouter(Config(RoutingMethod::kLossFree, 4, 2, 1));
   router->loss_free_bias().copy_(at::tensor({0.0, 0.0, 0.0, 1.0}));
@@ -94,6 +155,11 @@ TEST(SelectionTest, GroupedPicksExactlyKPerGroupFlatMayNot) {
     auto router = MakeRouter(config);
     const RoutingOutput out = MustRoute(*router, logits, false);
     ASSERT_EQ(out.expert_ids.size(1), 8);
+    // The ids themselves, against the oracle (gbar = 0, b = 0 here).
+    const testing::HandRoute want =
+        testing::HandRouting(config, testing::ToMatrix(logits), std::vector<double>(16, 0.0));
+    ASSERT_GT(testing::HandSelectionMargin(config, want), 1e-9);
+    EXPECT_EQ(ToNested(out.expert_ids), want.ids) << RoutingMethodName(method);
     const at::Tensor groups = at::div(out.expert_ids, 4, "floor");
     const at::Tensor per_group =
         at::zeros({256, 4}, at::kLong).scatter_add_(1, groups, at::ones_like(groups));
@@ -114,8 +180,12 @@ TEST(SelectionTest, GroupedPicksExactlyKPerGroupFlatMayNot) {
 
 TEST(SelectionTest, DispatchPlanCoversEveryKeptAssignmentSortedByExpert) {
   auto router = MakeRouter(Config(RoutingMethod::kVanilla, 8, 4, 1));
-  const RoutingOutput out = MustRoute(*router, at::randn({40, 8}, at::kDouble), false);
+  const at::Tensor logits = at::randn({40, 8}, at::kDouble);
+  const RoutingOutput out = MustRoute(*router, logits, false);
   const auto ids = ToNested(out.expert_ids);
+  EXPECT_EQ(ids, testing::HandRouting(Config(RoutingMethod::kVanilla, 8, 4, 1),
+                                      testing::ToMatrix(logits), std::vector<double>(8, 0.0))
+                     .ids);
   const auto weights = ToNested<double>(out.weights);
   int64_t total = 0;
   for (int g = 0; g < 4; ++g) {

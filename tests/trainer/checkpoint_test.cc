@@ -233,30 +233,56 @@ void ExpectSameRun(const RunRecord& a, const RunRecord& b) {
   ExpectStatesNear(a.state, b.state, kTol);
 }
 
-class ResumeTest : public ::testing::TestWithParam<router::RoutingMethod> {};
+// A routing set-up whose router state a resume must carry.
+struct ResumeVariant {
+  const char* name;
+  router::RoutingMethod method;
+  const char* preset;
+  double target_expert_cv;
+};
+
+class ResumeTest : public ::testing::TestWithParam<ResumeVariant> {};
 
 TEST_P(ResumeTest, ResumedRunEqualsUninterruptedRun) {
-  const TrainerOptions o = SmallOptions(GetParam());
+  const ResumeVariant& v = GetParam();
+  TrainerOptions o = SmallOptions(v.method);
+  ASSERT_TRUE(router::ApplyPreset(v.preset, &o.model.routing).ok());
+  o.model.routing.target_expert_cv = v.target_expert_cv;
   TempDir root;
   const RunRecord a = Uninterrupted(o, 6);
   const RunRecord b = Resumed(o, o, 3, 6, root.str());
   ASSERT_EQ(a.losses.size(), 6u);
   ExpectSameRun(a, b);
-  if (GetParam() == router::RoutingMethod::kLossFree) {
-    // The bias moved, so the comparison above covers restoring it.
-    EXPECT_GT(a.state.at("router0.loss_free_bias").abs().max().item<double>(), 0.0);
+  // The state each variant adds moved, so the comparison above covers
+  // restoring it.
+  const auto moved = [&](const std::string& name, double from) {
+    EXPECT_GT((a.state.at(name) - from).abs().max().item<double>(), 0.0) << name;
+  };
+  if (v.method == router::RoutingMethod::kLossFree) moved("router0.loss_free_bias", 0);
+  if (v.method == router::RoutingMethod::kHiMoe) moved("router0.logit_ema", 0);
+  if (v.target_expert_cv > 0) {
+    moved("moe0_balance_upper", 0);
+    moved("moe0_balance_lower", 0);
   }
-  if (GetParam() == router::RoutingMethod::kHiMoe) {
-    EXPECT_GT(a.state.at("router0.logit_ema").abs().max().item<double>(), 0.0);
+  if (std::string(v.preset) == "reference" && router::IsGrouped(v.method)) {
+    moved("moe0_router_scale", 1);
+  }
+  if (std::string(v.preset) == "reference" && v.method == router::RoutingMethod::kStMoe) {
+    EXPECT_EQ(a.state.at("moe0_route_calls").item<int64_t>(), 6 * o.grad_accum);
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Methods, ResumeTest,
-                         ::testing::Values(router::RoutingMethod::kHiMoe,
-                                           router::RoutingMethod::kLossFree),
-                         [](const auto& info) {
-                           return std::string(router::RoutingMethodName(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Variants, ResumeTest,
+    ::testing::Values(ResumeVariant{"himoe", router::RoutingMethod::kHiMoe, "paper", 0},
+                      ResumeVariant{"loss_free", router::RoutingMethod::kLossFree, "paper", 0},
+                      ResumeVariant{"himoe_controller", router::RoutingMethod::kHiMoe, "paper",
+                                    0.1},
+                      ResumeVariant{"himoe_reference", router::RoutingMethod::kHiMoe,
+                                    "reference", 0},
+                      ResumeVariant{"st_moe_reference", router::RoutingMethod::kStMoe,
+                                    "reference", 0}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 // The loaded trainer must not just match at the end: the restored state
 // equals the saved one right after LoadCheckpoint.

@@ -2,7 +2,9 @@
 """himoe-plot end to end: three tiny in-process runs (himoe, vanilla,
 loss_free), the per-run images and the PPL-CV scatter; the numbers handed to
 gnuplot are checked against metrics.jsonl and the trainer's own balance
-table; bad inputs fail with the file named.
+table; balance.png's data against the run's diagnostics and against made-up
+ones (with and without a controller bias), and skipped for a JSONL of an
+older trainer; bad inputs fail with the file named.
 
   plot_test.py HIMOE_TRAINER SOURCE_ROOT
 """
@@ -89,6 +91,59 @@ def cv(load):
     return math.sqrt(sum((c - mean) ** 2 for c in load) / len(load)) / mean
 
 
+BALANCE_KEYS = ("top_share", "load_entropy", "mean_pi_sq")
+
+
+def check_balance_data(data, train, evals, what):
+    """balance.dat: per step, per key and layer, the JSONL's value;
+    balance_eval.dat the same for the eval lines with layers;
+    balance_bias.dat: the last step's balance_bias when any is non-zero."""
+    cols = ["step"] + [f"{k}_l{l}" for k in BALANCE_KEYS for l in range(LAYERS)]
+
+    def same(row, rec):
+        return row[0] == rec["step"] and all(
+            close(row[cols.index(f"{k}_l{l}")], rec["layers"][l][k])
+            for k in BALANCE_KEYS for l in range(LAYERS))
+
+    header, blocks = read_table(os.path.join(data, "balance.dat"))
+    rows = blocks[0] if blocks else []
+    check(header == cols and len(rows) == len(train) and
+          all(same(row, rec) for row, rec in zip(rows, train)),
+          f"{what}: balance.dat = top_share, load_entropy, mean_pi_sq per step and layer")
+    with_layers = [e for e in evals if "layers" in e]
+    header, blocks = read_table(os.path.join(data, "balance_eval.dat"))
+    rows = blocks[0] if blocks else []
+    check(header == cols and len(rows) == len(with_layers) and
+          all(same(row, rec) for row, rec in zip(rows, with_layers)),
+          f"{what}: balance_eval.dat = the eval lines' per-layer diagnostics")
+    bias_file = os.path.join(data, "balance_bias.dat")
+    nonzero = any(v != 0 for rec in train for l in rec["layers"]
+                  for v in l.get("balance_bias", []))
+    if not check(os.path.exists(bias_file) == nonzero,
+                 f"{what}: balance_bias.dat exists iff a bias is non-zero ({nonzero})"):
+        return
+    if nonzero:
+        header, blocks = read_table(bias_file)
+        final = train[-1]["layers"]
+        check(header == ["expert", "group"] + [f"bias_l{l}" for l in range(LAYERS)] and
+              len(blocks[0]) == EXPERTS and
+              all(row[0] == e and row[1] == e // (EXPERTS // GROUPS) and
+                  all(close(row[2 + l], final[l]["balance_bias"][e]) for l in range(LAYERS))
+                  for e, row in enumerate(blocks[0])),
+              f"{what}: balance_bias.dat = the last step's bias per expert and layer")
+
+
+def rewrite_jsonl(src, dst, edit):
+    """Copies a metrics.jsonl, passing every train/eval record through edit."""
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    with open(src) as f, open(dst, "w") as g:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("kind") in ("train", "eval"):
+                edit(rec)
+            g.write(json.dumps(rec) + "\n")
+
+
 tmp = tempfile.mkdtemp(prefix="himoe-plot-test-")
 runs, reported_cv = {}, {}
 for method in ("himoe", "vanilla", "loss_free"):
@@ -99,8 +154,10 @@ for method in ("himoe", "vanilla", "loss_free"):
     if r.returncode != 0:
         sys.exit(f"trainer --method={method} failed:\n{r.stderr}")
     runs[method] = out
-    # The trainer's final table: "layer  expert CV  group CV  MaxVio  groups/token".
-    table = re.findall(r"^(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", r.stderr, re.M)
+    # The trainer's final table: "layer  expert CV  group CV  MaxVio  groups/token ..."
+    # (newer trainers append the balance diagnostics).
+    table = re.findall(r"^(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)(?:\s.*)?$",
+                       r.stderr, re.M)
     check(len(table) == LAYERS, f"{method}: trainer balance table has {LAYERS} layers")
     reported_cv[method] = sum(float(t[1]) for t in table) / max(1, len(table))
     # The config line opens the JSONL: the run's settings as a RunConfig.
@@ -123,10 +180,18 @@ for l in range(LAYERS):
     check_png(os.path.join(out, f"heatmap_layer{l}.png"), 700)
 check_png(os.path.join(out, "group_share.png"), 900)
 check_png(os.path.join(out, "loss.png"), 900)
-printed = r.stdout.split()
-check(len(printed) == 3 + LAYERS, f"himoe-plot prints the {3 + LAYERS} images: {printed}")
-
 train, evals = read_jsonl(os.path.join(run, "metrics.jsonl"))
+# balance.png needs the trainer's per-layer diagnostics (top_share,
+# load_entropy, mean_pi_sq, balance_bias); an older trainer's runs lack them.
+has_diag = all(k in l for rec in train for l in rec["layers"] for k in BALANCE_KEYS)
+printed = r.stdout.split()
+check(len(printed) == 3 + LAYERS + has_diag,
+      f"himoe-plot prints the {3 + LAYERS + has_diag} images: {printed}")
+if has_diag:
+    check_png(os.path.join(out, "balance.png"), 900, min_height=700)
+    check_balance_data(os.path.join(out, "data"), train, evals, "himoe run")
+else:
+    check("balance.png skipped" in r.stderr, f"no diagnostics: note on stderr: {r.stderr}")
 check(len(train) == STEPS and len(evals) == STEPS // EVAL_EVERY + 1, "the run's JSONL")
 data = os.path.join(out, "data")
 for l in range(LAYERS):
@@ -179,6 +244,62 @@ check(r.returncode == 0, f"--format svg: rc {r.returncode}\n{r.stderr}")
 with open(os.path.join(tmp, "svg", "loss.svg")) as f:
     check("<svg" in f.read(4000), "loss.svg is an SVG")
 
+# --- balance.png from hand-made diagnostics (independent of the trainer's). ---------
+def made_up(rec):
+    """Diagnostics that differ per step, layer and key; a bias from step 10 on;
+    eval lines get layers too."""
+    t = rec["step"]
+    if rec["kind"] == "eval":
+        rec["layers"] = [{"expert_cv": 0.1 * l} for l in range(LAYERS)]
+    for l, layer in enumerate(rec["layers"]):
+        layer["top_share"] = 0.5 + 0.01 * t + 0.1 * l
+        layer["load_entropy"] = 1.0 - 0.005 * t - 0.05 * l
+        layer["mean_pi_sq"] = 0.125 + 0.001 * t * (l + 1)
+        if rec["kind"] == "train":
+            layer["balance_bias"] = [0.0 if t < 10 else 0.01 * (e - 3.5) * (l + 1) * t
+                                     for e in range(EXPERTS)]
+
+
+made = os.path.join(tmp, "made_up", "metrics.jsonl")
+rewrite_jsonl(os.path.join(run, "metrics.jsonl"), made, made_up)
+r = plot(os.path.dirname(made), "--out", os.path.join(tmp, "made_up_plots"))
+check(r.returncode == 0, f"made-up diagnostics: rc {r.returncode}\n{r.stderr}")
+check_png(os.path.join(tmp, "made_up_plots", "balance.png"), 900, min_height=900)
+m_train, m_evals = read_jsonl(made)
+check_balance_data(os.path.join(tmp, "made_up_plots", "data"), m_train, m_evals, "made-up")
+
+
+def zero_bias(rec):
+    made_up(rec)
+    for layer in rec["layers"]:
+        layer.pop("balance_bias", None)
+        if rec["kind"] == "train":
+            layer["balance_bias"] = [0.0] * EXPERTS
+
+
+rewrite_jsonl(os.path.join(run, "metrics.jsonl"), made, zero_bias)
+r = plot(os.path.dirname(made), "--out", os.path.join(tmp, "zero_bias_plots"))
+check(r.returncode == 0, f"zero bias: rc {r.returncode}\n{r.stderr}")
+m_train, m_evals = read_jsonl(made)
+check_balance_data(os.path.join(tmp, "zero_bias_plots", "data"), m_train, m_evals, "zero bias")
+check_png(os.path.join(tmp, "zero_bias_plots", "balance.png"), 900)
+
+
+def old_trainer(rec):
+    """A run of a trainer from before the diagnostics."""
+    rec.pop("layers", None) if rec["kind"] == "eval" else None
+    for layer in rec.get("layers", []):
+        for k in BALANCE_KEYS + ("group_top_share", "balance_bias"):
+            layer.pop(k, None)
+
+
+rewrite_jsonl(os.path.join(run, "metrics.jsonl"), made, old_trainer)
+r = plot(os.path.dirname(made), "--out", os.path.join(tmp, "old_plots"))
+check(r.returncode == 0 and "balance.png skipped" in r.stderr and
+      not os.path.exists(os.path.join(tmp, "old_plots", "balance.png")) and
+      len(r.stdout.split()) == 3 + LAYERS,
+      f"old JSONL: the other images, balance.png skipped with a note: {r.returncode} {r.stderr}")
+
 # --- Several runs: the PPL-CV scatter. ----------------------------------------------
 out = os.path.join(tmp, "scatter")
 r = plot("--scatter", runs["himoe"], runs["vanilla"] + "=vanilla GShard",
@@ -187,7 +308,8 @@ check(r.returncode == 0, f"--scatter: rc {r.returncode}\n{r.stderr}")
 check_png(os.path.join(out, "ppl_vs_cv.png"), 900, min_bytes=5000)
 header, blocks = read_table(os.path.join(out, "data", "ppl_vs_cv.dat"))
 rows = blocks[0] if blocks else []
-check(header == ["cv", "ppl", "step", "colour", "label"] and len(rows) == 3, "ppl_vs_cv.dat rows")
+check(header == ["cv", "ppl", "step", "colour", "first", "label"] and len(rows) == 3,
+      "ppl_vs_cv.dat rows")
 for row, method, label in zip(rows, ("himoe", "vanilla", "loss_free"),
                               ("himoe", "vanilla_GShard", "loss_free")):
     train, evals = read_jsonl(os.path.join(runs[method], "metrics.jsonl"))
@@ -197,7 +319,21 @@ for row, method, label in zip(rows, ("himoe", "vanilla", "loss_free"),
           f"{method}: CV {row[0]} = {mean_cv} (JSONL) ~ {reported_cv[method]} (trainer table)")
     check(close(row[1], evals[-1]["val_ppl"]) and row[2] == STEPS,
           f"{method}: ppl {row[1]} is the last evaluation's {evals[-1]['val_ppl']}")
-    check(row[4] == label, f"{method}: label {row[4]} == {label}")
+    check(row[5] == label and row[4] == 1, f"{method}: label {row[5]} == {label}, first point")
+
+# --cv steps: the mean over the last N steps of each step's layer-mean
+# expert_cv; points that share a label share a colour, the first is labelled.
+r = plot("--scatter", runs["himoe"] + "=A", runs["vanilla"] + "=B", runs["loss_free"] + "=A",
+         "--out", out, "--cv", "steps", "--window", "5")
+check(r.returncode == 0, f"--scatter --cv steps: rc {r.returncode}\n{r.stderr}")
+header, blocks = read_table(os.path.join(out, "data", "ppl_vs_cv.dat"))
+rows = blocks[0] if blocks else []
+check(len(rows) == 3 and [(row[3], row[4], row[5]) for row in rows] ==
+      [(1, 1, "A"), (2, 1, "B"), (1, 0, "A")], f"--cv steps: colours, first, labels: {rows}")
+for row, method in zip(rows, ("himoe", "vanilla", "loss_free")):
+    train, _ = read_jsonl(os.path.join(runs[method], "metrics.jsonl"))
+    want = sum(sum(l["expert_cv"] for l in s["layers"]) / LAYERS for s in train[-5:]) / 5
+    check(close(row[0], want, 1e-4), f"{method}: --cv steps x {row[0]} = {want}")
 
 # --- Errors name the file. ---------------------------------------------------------
 bad = os.path.join(tmp, "bad")

@@ -80,10 +80,14 @@ std::map<std::string, at::Tensor> AllParameters(Trainer& t) {
   return out;
 }
 
-class EquivalenceTest : public ::testing::TestWithParam<router::RoutingMethod> {};
+// A method, and whether the balance controller runs (target expert CV).
+using EquivalenceParam = std::pair<router::RoutingMethod, double>;
+
+class EquivalenceTest : public ::testing::TestWithParam<EquivalenceParam> {};
 
 TEST_P(EquivalenceTest, RemoteGroupsTrainExactlyLikeInProcess) {
-  TrainerOptions local = SmallOptions(GetParam());
+  TrainerOptions local = SmallOptions(GetParam().first);
+  local.model.routing.target_expert_cv = GetParam().second;
   ExpertCluster cluster(local);
   TrainerOptions remote = local;
   remote.remote_experts = true;
@@ -116,16 +120,23 @@ TEST_P(EquivalenceTest, RemoteGroupsTrainExactlyLikeInProcess) {
   auto va = (*a)->Evaluate();
   auto vb = (*b)->Evaluate();
   ASSERT_TRUE(va.ok() && vb.ok());
-  EXPECT_NEAR(*va, *vb, 1e-4);
+  EXPECT_NEAR(va->loss, vb->loss, 1e-4);
+  ASSERT_EQ(va->layers.size(), vb->layers.size());
+  for (size_t l = 0; l < va->layers.size(); ++l) {
+    EXPECT_EQ(va->layers[l].expert_counts, vb->layers[l].expert_counts) << "layer " << l;
+  }
 }
 
-INSTANTIATE_TEST_SUITE_P(Methods, EquivalenceTest,
-                         ::testing::Values(router::RoutingMethod::kHiMoe,
-                                           router::RoutingMethod::kVanilla,
-                                           router::RoutingMethod::kLossFree),
-                         [](const auto& info) {
-                           return std::string(router::RoutingMethodName(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Methods, EquivalenceTest,
+    ::testing::Values(EquivalenceParam{router::RoutingMethod::kHiMoe, 0},
+                      EquivalenceParam{router::RoutingMethod::kVanilla, 0},
+                      EquivalenceParam{router::RoutingMethod::kLossFree, 0},
+                      EquivalenceParam{router::RoutingMethod::kHiMoe, 0.1}),
+    [](const auto& info) {
+      return std::string(router::RoutingMethodName(info.param.first)) +
+             (info.param.second > 0 ? "_controller" : "");
+    });
 
 TEST(RemoteTrainingTest, AbortedStepFreesSavedStateAndStepIsIdempotent) {
   TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
