@@ -77,6 +77,7 @@ absl::StatusOr<std::shared_ptr<TransformerLM>> TransformerLM::Create(const Model
       model->register_buffer(p + "loss_free_bias", r.loss_free_bias());
       model->register_buffer(p + "balance_upper", r.balance().upper);
       model->register_buffer(p + "balance_lower", r.balance().lower);
+      model->register_buffer(p + "balance_multiplier", r.balance().loss_multiplier);
       model->register_buffer(p + "route_calls", r.route_calls());
       if (r.router_scale().defined()) model->register_parameter(p + "router_scale", r.router_scale());
     }
@@ -111,6 +112,7 @@ absl::StatusOr<at::Tensor> TransformerLM::MoeFfn(int moe, const at::Tensor& x,
   add(out->aux.intra, l.intra);
   add(out->aux.inter, l.inter);
   add(out->aux.z, l.z);
+  add(out->aux.balance, l.balance);
   out->stats.push_back(std::move(y.routing.stats));
   return y.output.view(x.sizes());
 }
@@ -125,7 +127,7 @@ absl::StatusOr<ModelOutput> TransformerLM::Forward(const at::Tensor& idx, const 
   const MoECall call{step, micro_batch, training};
   ModelOutput out;
   const at::Tensor zero = at::zeros({});
-  out.aux = {zero, zero, zero, zero};
+  out.aux = {zero, zero, zero, zero, zero};
   absl::Status status = CatchTorchErrors([&]() -> absl::Status {
     const int64_t T = idx.size(1);
     at::Tensor x = wte_->forward(idx) + wpe_->forward(at::arange(T, idx.options()));

@@ -95,6 +95,7 @@ RoutingStats MergeRoutingStats(const RoutingConfig& c,
     s.dropped += b.dropped;
     assignments += b.tokens * c.total_k();
     s.balance_bias = b.balance_bias;
+    s.balance_multiplier = b.balance_multiplier;
   }
   FillCountStats(c, s);
   s.drop_rate = assignments > 0 ? static_cast<double>(s.dropped) / assignments : 0.0;
@@ -112,6 +113,7 @@ RouterLayer::RouterLayer(const RoutingConfig& config, int64_t d_model,
   balance_.lower = at::zeros({config_.num_experts}, opts);
   balance_.step = at::full({config_.num_experts}, config_.balance_rate, opts);
   balance_.last = at::zeros({config_.num_experts}, opts);
+  balance_.loss_multiplier = at::zeros({1}, opts);
   route_calls_ = at::zeros({1}, opts.dtype(at::kLong));
   if (config_.router_scale && IsGrouped(config_.method)) {
     // [1, N] as in the released code, whose optimizer decays every matrix.
@@ -227,7 +229,7 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
 
     const at::Tensor zero = at::zeros({}, g.options().requires_grad(false));
     RoutingLosses& losses = out.losses;
-    losses.load = losses.intra = losses.inter = losses.z = zero;
+    losses.load = losses.intra = losses.inter = losses.z = losses.balance = zero;
     const at::Tensor& load_probs = c.load_source == ProbSource::kCorrected ? pi : p;
     const bool released_flat = c.flat_load == FlatLoadForm::kReleased;
     if (c.method == RoutingMethod::kVanilla && released_flat) {
@@ -250,13 +252,27 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
       losses.z = RouterZLoss(g, c.z_coef);
     }
 
+    if (controlled && grouped) {
+      // The gate's own picks say how far it is from the target by itself.
+      const Selection own = Select(pi_logits);
+      losses.balance = balance_.loss_multiplier.item<double>() *
+                       GroupConditionalLoadLoss(pi, own.ids, c.num_groups, c.top_k);
+      if (training) {
+        at::NoGradGuard no_grad;
+        const at::Tensor counts = at::bincount(own.ids.reshape(-1), {}, c.num_experts);
+        const double own_cv = CoefficientOfVariation(ToVector(counts));
+        balance_.loss_multiplier.add_(kBalanceLossRate * (own_cv - c.target_expert_cv))
+            .clamp_min_(0.0);
+      }
+    }
     if (training && c.method == RoutingMethod::kLossFree) {
       at::NoGradGuard no_grad;
-      if (c.method == RoutingMethod::kLossFree && c.sigmoid_scores) pending_counts_.zero_();
+      if (c.sigmoid_scores) pending_counts_.zero_();  // the last micro-batch only
       pending_counts_.add_(
           at::bincount(sel.ids.reshape(-1), {}, c.num_experts).to(pending_counts_.options()));
     }
     out.stats = ComputeStats(c, pi, sparse, sel.ids, kept, capacity, BalanceBias());
+    out.stats.balance_multiplier = balance_.loss_multiplier.item<double>();
     out.groups = BuildDispatchPlan(sel.ids, weights, kept, c.num_groups,
                                    c.experts_per_group());
     out.expert_ids = sel.ids;

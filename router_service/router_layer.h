@@ -29,7 +29,8 @@ struct RoutingLosses {
   at::Tensor intra;
   at::Tensor inter;
   at::Tensor z;
-  at::Tensor Total() const { return load + intra + inter + z; }
+  at::Tensor balance;  // the balance controller's learned part (grouped methods)
+  at::Tensor Total() const { return load + intra + inter + z + balance; }
 };
 
 // Balance/specialization statistics of one batch (shared/spec, "Balance and
@@ -58,6 +59,7 @@ struct RoutingStats {
   double top_share = 0;                 // mean of group_top_share
   double load_entropy = 0;              // H(c / sum c) / log N
   std::vector<double> balance_bias;     // the controller's selection bias, length N
+  double balance_multiplier = 0;        // mu of the controller's loss
 };
 
 // The statistics of several batches routed by the same layer (a validation

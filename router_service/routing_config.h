@@ -85,6 +85,9 @@ struct RoutingConfig {
 // The share of the target CV the controller's band uses; the rest is margin
 // for batch-to-batch noise of the counts.
 inline constexpr double kBalanceBand = 0.75;
+// The dual-ascent step of the controller's loss multiplier, per unit of CV
+// above the target and per training batch.
+inline constexpr double kBalanceLossRate = 0.01;
 
 // The product default of target_expert_cv for a method: 0.1 for himoe (whose
 // objective collapses inside groups without it; README "Balance"), 0 (off)

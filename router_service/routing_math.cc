@@ -165,6 +165,18 @@ at::Tensor ReleasedVanillaLoadLoss(const at::Tensor& weights, const at::Tensor& 
   return alpha * static_cast<double>(num_experts) * (h * p).sum();
 }
 
+at::Tensor GroupConditionalLoadLoss(const at::Tensor& probs, const at::Tensor& ids,
+                                    int64_t num_groups, int64_t k) {
+  const int64_t tokens = probs.size(0);
+  const int64_t n = probs.size(1);
+  const int64_t per_group = n / num_groups;
+  const at::Tensor grouped = probs.view({tokens, num_groups, per_group});
+  const at::Tensor q_mean = (grouped / grouped.sum(2, /*keepdim=*/true)).mean(0);
+  const at::Tensor h = TokenFractions(ids, n, tokens * k).to(probs.options());
+  return static_cast<double>(per_group) * (h.view({num_groups, per_group}) * q_mean).sum() /
+         static_cast<double>(num_groups);
+}
+
 void BalanceControllerUpdate(BalanceState& state, const at::Tensor& counts, double target_cv,
                              double band, double rate) {
   at::NoGradGuard no_grad;

@@ -103,6 +103,15 @@ at::Tensor ReleasedVanillaLoadLoss(const at::Tensor& weights, const at::Tensor& 
 // loss_free: b_i <- b_i + u * sign(mean_j c_j - c_i), in place, no gradient.
 void LossFreeBiasUpdate(at::Tensor& bias, const at::Tensor& counts, double u);
 
+// The balance controller's learned part: the load loss of the group-
+// conditional distribution, q_i(x) = pi_i(x) / sum_{j in g} pi_j(x) for i in
+// group g, so its push on an expert does not fade with the group's share of
+// the token's mass (the spec's "Known behaviour"):
+//   (1/M) * sum_g S * sum_{i in g} h_i * Q_i,  h_i = c_i / (T*k)  (no gradient),
+// Q_i = mean_tokens q_i. 1 when balanced. `ids` [T, M*k] grouped picks.
+at::Tensor GroupConditionalLoadLoss(const at::Tensor& probs, const at::Tensor& ids,
+                                    int64_t num_groups, int64_t k);
+
 // Balance controller: projected dual ascent on the per-expert load band
 // (1-delta)*cbar <= c_i <= (1+delta)*cbar, cbar = mean c, delta = band * target.
 // With x_i = (c_i - cbar)/cbar, the multipliers of the upper and lower
@@ -119,6 +128,10 @@ void LossFreeBiasUpdate(at::Tensor& bias, const at::Tensor& counts, double u);
 // all-zero counts.
 struct BalanceState {
   at::Tensor upper, lower, step, last;  // [N] each
+  // mu of the group-conditional load loss, [1]: projected dual ascent on the
+  // CV of the gate's own picks (without the bias),
+  // mu <- max(0, mu + kBalanceLossRate * (CV_gate - target)).
+  at::Tensor loss_multiplier;
 };
 void BalanceControllerUpdate(BalanceState& state, const at::Tensor& counts, double target_cv,
                              double band, double rate);

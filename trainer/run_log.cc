@@ -42,7 +42,8 @@ Json LayerJson(const router::RoutingStats& st) {
               {"top_share", Sig6(st.top_share)},
               {"group_top_share", Sig6(st.group_top_share)},
               {"load_entropy", Sig6(st.load_entropy)},
-              {"balance_bias", Sig6(st.balance_bias)}};
+              {"balance_bias", Sig6(st.balance_bias)},
+              {"balance_multiplier", Sig6(st.balance_multiplier)}};
 }
 
 std::string Duration(double seconds) {
@@ -127,6 +128,7 @@ void RunLog::OnStep(const StepResult& s) {
                      {"intra", Sig6(s.intra)},
                      {"inter", Sig6(s.inter)},
                      {"z", Sig6(s.z)},
+                     {"balance", Sig6(s.balance)},
                      {"grad_norm", Sig6(s.grad_norm)},
                      {"tokens", s.tokens},
                      {"seconds", Sig6(s.seconds)},

@@ -126,6 +126,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
       r.intra += out.aux.intra.item<double>() / accum;
       r.inter += out.aux.inter.item<double>() / accum;
       r.z += out.aux.z.item<double>() / accum;
+      r.balance += out.aux.balance.item<double>() / accum;
       r.tokens += batch.x.numel();
       r.layers = std::move(out.stats);
     }

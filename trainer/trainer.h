@@ -62,7 +62,7 @@ struct StepResult {
   double lr = 0;
   double loss = 0;  // task + every auxiliary term
   double task = 0;  // cross entropy; perplexity = exp(task)
-  double load = 0, intra = 0, inter = 0, z = 0;
+  double load = 0, intra = 0, inter = 0, z = 0, balance = 0;
   double grad_norm = 0;  // before clipping, over dense and every expert shard
   int64_t tokens = 0;
   double seconds = 0;

@@ -17,7 +17,7 @@ TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_
       loss_(prometheus::BuildGauge()
                 .Name("himoe_trainer_loss")
                 .Help("Training loss of the last step by kind: task (cross entropy), load, "
-                      "intra, inter, z, total")
+                      "intra, inter, z, balance (the balance controller's), total")
                 .Register(r)),
       rpc_(prometheus::BuildHistogram()
                .Name("himoe_trainer_expert_rpc_duration_seconds")
@@ -49,6 +49,8 @@ TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_
                         "Entropy of the expert load over log N (1 uniform, 0 one expert)");
   auto& bias = gauge("himoe_trainer_balance_bias",
                      "Balance controller's selection bias per expert (logits)");
+  auto& multiplier = gauge("himoe_trainer_balance_multiplier",
+                           "Balance controller's loss multiplier mu (dual ascent on the gate's CV)");
   auto& val_cv = gauge("himoe_trainer_val_expert_cv", "Expert-load CV over the validation set");
   const int s = num_experts / num_groups;
   for (int l = 0; l < num_layers; ++l) {
@@ -70,6 +72,7 @@ TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_
     x.mean_pi_sq = &pi_sq.Add({{"layer", layer}});
     x.load_entropy = &entropy.Add({{"layer", layer}});
     x.val_expert_cv = &val_cv.Add({{"layer", layer}});
+    x.balance_multiplier = &multiplier.Add({{"layer", layer}});
     for (int g = 0; g < num_groups; ++g) {
       x.top_share.push_back(&top_share.Add({{"layer", layer}, {"group", std::to_string(g)}}));
     }
@@ -109,7 +112,8 @@ TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_
 void TrainerMetrics::OnStep(const StepResult& s) {
   const std::pair<const char*, double> kinds[] = {{"task", s.task},   {"load", s.load},
                                                   {"intra", s.intra}, {"inter", s.inter},
-                                                  {"z", s.z},         {"total", s.loss}};
+                                                  {"z", s.z},         {"balance", s.balance},
+                                                  {"total", s.loss}};
   for (const auto& [kind, value] : kinds) loss_.Add({{"kind", kind}}).Set(value);
   for (size_t l = 0; l < s.layers.size() && l < layers_.size(); ++l) {
     const router::RoutingStats& st = s.layers[l];
@@ -128,6 +132,7 @@ void TrainerMetrics::OnStep(const StepResult& s) {
     x.drop_rate->Set(st.drop_rate);
     x.mean_pi_sq->Set(st.mean_pi_sq);
     x.load_entropy->Set(st.load_entropy);
+    x.balance_multiplier->Set(st.balance_multiplier);
     for (size_t g = 0; g < st.group_top_share.size() && g < x.top_share.size(); ++g) {
       x.top_share[g]->Set(st.group_top_share[g]);
     }

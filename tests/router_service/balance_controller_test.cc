@@ -122,6 +122,58 @@ TEST(BalanceControllerTest, TrainingBatchIsSolvedIntoTheBandEvaluationIsNot) {
   }
 }
 
+TEST(BalanceControllerTest, GroupConditionalLoadLossByHand) {
+  // T=2, N=4, M=2 (S=2), k=1. Group-conditional q of token 0: {0.2, 0.8}
+  // and {0.5, 0.5}; token 1: {0.6, 0.4} and {0.9, 0.1}. Picks {1, 2}, {0, 2}.
+  const at::Tensor probs =
+      ToTensor({{0.02, 0.08, 0.45, 0.45}, {0.3, 0.2, 0.45, 0.05}});
+  const at::Tensor ids = at::tensor({1, 2, 0, 2}, at::kLong).view({2, 2});
+  // h = {1/2, 1/2, 1, 0}; Q = {0.4, 0.6, 0.7, 0.3}.
+  // (1/M) S sum h Q = 0.5 * 2 * (0.2 + 0.3 + 0.7 + 0) = 1.2.
+  EXPECT_NEAR(GroupConditionalLoadLoss(probs, ids, 2, 1).item<double>(), 1.2, 1e-12);
+  // Balanced picks and q give exactly 1.
+  const at::Tensor even = ToTensor({{0.1, 0.1, 0.4, 0.4}, {0.3, 0.3, 0.2, 0.2}});
+  const at::Tensor alternate = at::tensor({0, 2, 1, 3}, at::kLong).view({2, 2});
+  EXPECT_NEAR(GroupConditionalLoadLoss(even, alternate, 2, 1).item<double>(), 1.0, 1e-12);
+}
+
+TEST(BalanceControllerTest, LossMultiplierRisesWithTheGatesOwnImbalance) {
+  // himoe N=4, M=2, k=1, tau=0, target 0.2: every token prefers experts 0
+  // and 2, so the gate's own CV is 1 (counts {2, 0, 2, 0}).
+  RoutingConfig c = Config(RoutingMethod::kHiMoe, 4, 2, 1);
+  c.tau = 0;
+  c.target_expert_cv = 0.2;
+  auto router = MakeRouter(c);
+  const testing::Matrix g = {{1.0, 0.0, 0.5, 0.0}, {2.0, 0.0, 1.0, 0.0}};
+  const RoutingOutput first = MustRoute(*router, ToTensor(g), true);
+  EXPECT_EQ(first.losses.balance.item<double>(), 0.0);  // mu starts at 0
+  // mu = max(0, 0 + 0.01 * (1 - 0.2)) = 0.008.
+  EXPECT_NEAR(router->balance().loss_multiplier.item<double>(), 0.008, 1e-9);
+  const at::Tensor logits = ToTensor(g).requires_grad_(true);
+  const RoutingOutput second = MustRoute(*router, logits, true);
+  // The loss uses the gate's own picks {0, 2} for both tokens:
+  // h = {1, 0, 1, 0}, Q_0 = mean(e/(e+1), e^2/(e^2+1)), Q_2 = mean(e^.5/(e^.5+1), e/(e+1)).
+  const auto sig = [](double z) { return 1.0 / (1.0 + std::exp(-z)); };
+  const double q0 = (sig(1.0) + sig(2.0)) / 2, q2 = (sig(0.5) + sig(1.0)) / 2;
+  const double want = 0.008 * 0.5 * 2 * (q0 + q2);
+  EXPECT_NEAR(second.losses.balance.item<double>(), want, 1e-9);
+  EXPECT_NEAR(second.losses.Total().item<double>(),
+              second.losses.load.item<double>() + second.losses.intra.item<double>() +
+                  second.losses.inter.item<double>() + want,
+              1e-9);
+  EXPECT_NEAR(second.stats.balance_multiplier, 0.016, 1e-9);
+  // The term backpropagates (mu moved in place after the loss was built).
+  second.losses.Total().backward();
+  ASSERT_TRUE(logits.grad().defined());
+  EXPECT_GT(logits.grad().abs().max().item<double>(), 0.0);
+  // Evaluation neither moves mu nor needs the bias solve.
+  MustRoute(*router, ToTensor(g), false);
+  EXPECT_NEAR(router->balance().loss_multiplier.item<double>(), 0.016, 1e-9);
+  // Off: no term.
+  c.target_expert_cv = 0;
+  EXPECT_EQ(MustRoute(*MakeRouter(c), ToTensor(g), true).losses.balance.item<double>(), 0.0);
+}
+
 TEST(BalanceControllerTest, RejectsLossFreeAndNegativeTargets) {
   RoutingConfig c = Config(RoutingMethod::kLossFree, 4, 2, 1);
   c.target_expert_cv = 0.1;

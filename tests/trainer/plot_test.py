@@ -221,7 +221,7 @@ for l in range(LAYERS):
 header, blocks = read_table(os.path.join(data, "loss.dat"))
 check(len(blocks) == 1 and len(blocks[0]) == STEPS, f"loss.dat has {STEPS} rows")
 for rec, row in zip(train, blocks[0]):
-    check(all(close(row[header.index(c)], rec[c]) for c in ("loss", "task", "load", "intra")),
+    check(all(close(row[header.index(c)], rec[c]) for c in ("loss", "task", "load", "intra", "balance")),
           f"loss.dat step {rec['step']} matches the JSONL")
 header, blocks = read_table(os.path.join(data, "eval.dat"))
 check([(row[0], row[2]) for row in blocks[0]] == [(e["step"], e["val_ppl"]) for e in evals],

@@ -37,7 +37,7 @@ start=${SECONDS}
 repro || fail "repro.sh --smoke exited with an error"
 echo "repro.sh --smoke took $((SECONDS - start)) s"
 
-ROWS=(vanilla st_moe loss_free moge himoe himoe-reference himoe+controller
+ROWS=(vanilla st_moe loss_free moge himoe himoe-reference moge-reference himoe+controller
       moge+bias_corr moge+R_intra moge+R_inter)
 md="${study}/results.md"
 [[ -f "${md}" ]] || fail "no ${md}"
@@ -76,10 +76,10 @@ done
 [[ ! -f "${study}/plots/himoe/data/balance_bias.dat" ]] ||
   fail "himoe (controller off) has a balance_bias.dat"
 
-# Resume: a rerun keeps the 10 finished runs; a run without its final eval
+# Resume: a rerun keeps every finished run; a run without its final eval
 # line is redone from scratch.
 repro || fail "the rerun exited with an error"
-grep -q "10 of 10 runs already finished, 0 to run" "${log}" || fail "the rerun did not keep the runs"
+grep -q "${#ROWS[@]} of ${#ROWS[@]} runs already finished, 0 to run" "${log}" || fail "the rerun did not keep the runs"
 m="${study}/runs/moge/seed1337/metrics.jsonl"
 grep -v '"kind":"eval","step":2,' "${m}" >"${m}.cut"
 mv "${m}.cut" "${m}"

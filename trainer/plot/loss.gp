@@ -3,7 +3,7 @@
 # each evaluation; the right axis reads the same curve as perplexity
 # (exp of the cross-entropy). Bottom: the routing regularisation terms.
 # Set by himoe-plot: out, format, datadir, run_name, aux (names of the non-zero
-# terms among load intra inter z), smooth, final_step, final_ppl, x_first, x_last, ppl_tics
+# terms among load intra inter z balance), smooth, final_step, final_ppl, x_first, x_last, ppl_tics
 # (the right axis' tics: 'label' value, ...).
 W = 900; H = 650
 if (format eq 'svg') {
@@ -52,15 +52,15 @@ set format x '%g'
 set xlabel 'training step' offset 0,0.5
 set ylabel 'value'
 set key at graph 1, graph 1.11 right top horizontal samplen 3 width 1 nobox
-array colours[4] = ['#1b9e77', '#d95f02', '#7570b3', '#e7298a']
-array names[4] = ['load', 'intra', 'inter', 'z']
-array titles[4] = ['L_{load}', 'R_{intra}', 'R_{inter}', 'z-loss']
+array colours[5] = ['#1b9e77', '#d95f02', '#7570b3', '#e7298a', '#66a61e']
+array names[5] = ['load', 'intra', 'inter', 'z', 'balance']
+array titles[5] = ['L_{load}', 'R_{intra}', 'R_{inter}', 'z-loss', 'balance controller']
 if (strlen(aux) == 0) {
   set label 2 'no regularisation terms in this run' at graph 0.5, graph 0.5 center
   set yrange [-1:1]
   plot NaN notitle
 } else {
-  plot for [i=1:4] loss using 1:(strstrt(' '.aux.' ', ' '.names[i].' ') ? column(names[i]) : NaN) \
+  plot for [i=1:5] loss using 1:(strstrt(' '.aux.' ', ' '.names[i].' ') ? column(names[i]) : NaN) \
          with lines lw 1.2 lc rgb colours[i] \
          title (strstrt(' '.aux.' ', ' '.names[i].' ') ? titles[i] : '')
 }
