@@ -255,8 +255,9 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
     if (controlled && grouped) {
       // The gate's own picks say how far it is from the target by itself.
       const Selection own = Select(pi_logits);
+      // Minus its balanced value 1, so the reported term reads 0 at balance.
       losses.balance = balance_.loss_multiplier.item<double>() *
-                       GroupConditionalLoadLoss(pi, own.ids, c.num_groups, c.top_k);
+                       (GroupConditionalLoadLoss(pi, own.ids, c.num_groups, c.top_k) - 1.0);
       if (training) {
         at::NoGradGuard no_grad;
         const at::Tensor counts = at::bincount(own.ids.reshape(-1), {}, c.num_experts);

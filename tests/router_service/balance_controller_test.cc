@@ -155,7 +155,7 @@ TEST(BalanceControllerTest, LossMultiplierRisesWithTheGatesOwnImbalance) {
   // h = {1, 0, 1, 0}, Q_0 = mean(e/(e+1), e^2/(e^2+1)), Q_2 = mean(e^.5/(e^.5+1), e/(e+1)).
   const auto sig = [](double z) { return 1.0 / (1.0 + std::exp(-z)); };
   const double q0 = (sig(1.0) + sig(2.0)) / 2, q2 = (sig(0.5) + sig(1.0)) / 2;
-  const double want = 0.008 * 0.5 * 2 * (q0 + q2);
+  const double want = 0.008 * (0.5 * 2 * (q0 + q2) - 1.0);  // 0 when balanced
   EXPECT_NEAR(second.losses.balance.item<double>(), want, 1e-9);
   EXPECT_NEAR(second.losses.Total().item<double>(),
               second.losses.load.item<double>() + second.losses.intra.item<double>() +
