@@ -171,7 +171,9 @@ at::Tensor GroupConditionalLoadLoss(const at::Tensor& probs, const at::Tensor& i
   const int64_t n = probs.size(1);
   const int64_t per_group = n / num_groups;
   const at::Tensor grouped = probs.view({tokens, num_groups, per_group});
-  const at::Tensor q_mean = (grouped / grouped.sum(2, /*keepdim=*/true)).mean(0);
+  // A group whose mass underflowed to 0 contributes q = 0, not 0/0.
+  const at::Tensor q_mean =
+      (grouped / grouped.sum(2, /*keepdim=*/true).clamp_min(1e-30)).mean(0);
   const at::Tensor h = TokenFractions(ids, n, tokens * k).to(probs.options());
   return static_cast<double>(per_group) * (h.view({num_groups, per_group}) * q_mean).sum() /
          static_cast<double>(num_groups);

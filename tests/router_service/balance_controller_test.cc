@@ -135,6 +135,11 @@ TEST(BalanceControllerTest, GroupConditionalLoadLossByHand) {
   const at::Tensor even = ToTensor({{0.1, 0.1, 0.4, 0.4}, {0.3, 0.3, 0.2, 0.2}});
   const at::Tensor alternate = at::tensor({0, 2, 1, 3}, at::kLong).view({2, 2});
   EXPECT_NEAR(GroupConditionalLoadLoss(even, alternate, 2, 1).item<double>(), 1.0, 1e-12);
+  // A group whose mass underflowed to 0 adds nothing (no 0/0): token 1's
+  // group 1 has q = {0, 0}, so Q = {0.5, 0.5, 0.25, 0.25} and the loss is
+  // 0.5 * 2 * (0.5*0.5 + 0.5*0.5 + 0.5*0.25 + 0.5*0.25) = 0.75.
+  const at::Tensor underflow = ToTensor({{0.1, 0.1, 0.4, 0.4}, {0.5, 0.5, 0.0, 0.0}});
+  EXPECT_NEAR(GroupConditionalLoadLoss(underflow, alternate, 2, 1).item<double>(), 0.75, 1e-12);
 }
 
 TEST(BalanceControllerTest, LossMultiplierRisesWithTheGatesOwnImbalance) {
