@@ -111,8 +111,6 @@ RouterLayer::RouterLayer(const RoutingConfig& config, int64_t d_model,
   pending_counts_ = at::zeros({config_.num_experts}, opts);
   balance_.upper = at::zeros({config_.num_experts}, opts);
   balance_.lower = at::zeros({config_.num_experts}, opts);
-  balance_.step = at::full({config_.num_experts}, config_.balance_rate, opts);
-  balance_.last = at::zeros({config_.num_experts}, opts);
   balance_.loss_multiplier = at::zeros({1}, opts);
   route_calls_ = at::zeros({1}, opts.dtype(at::kLong));
   if (config_.router_scale && IsGrouped(config_.method)) {
@@ -252,19 +250,17 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
       losses.z = RouterZLoss(g, c.z_coef);
     }
 
-    if (controlled && grouped) {
+    if (controlled && grouped && training) {
       // The gate's own picks say how far it is from the target by itself.
       const Selection own = Select(pi_logits);
       // Minus its balanced value 1, so the reported term reads 0 at balance.
       losses.balance = balance_.loss_multiplier.item<double>() *
                        (GroupConditionalLoadLoss(pi, own.ids, c.num_groups, c.top_k) - 1.0);
-      if (training) {
-        at::NoGradGuard no_grad;
-        const at::Tensor counts = at::bincount(own.ids.reshape(-1), {}, c.num_experts);
-        const double own_cv = CoefficientOfVariation(ToVector(counts));
-        balance_.loss_multiplier.add_(kBalanceLossRate * (own_cv - c.target_expert_cv))
-            .clamp_min_(0.0);
-      }
+      at::NoGradGuard no_grad;
+      const at::Tensor counts = at::bincount(own.ids.reshape(-1), {}, c.num_experts);
+      const double own_cv = CoefficientOfVariation(ToVector(counts));
+      balance_.loss_multiplier.add_(kBalanceLossRate * (own_cv - c.target_expert_cv))
+          .clamp_min_(0.0);
     }
     if (training && c.method == RoutingMethod::kLossFree) {
       at::NoGradGuard no_grad;
@@ -293,15 +289,17 @@ Selection RouterLayer::Select(const at::Tensor& scores) const {
 Selection RouterLayer::SelectWithinBand(const at::Tensor& logits) {
   const RoutingConfig& c = config_;
   const double delta = kBalanceBand * c.target_expert_cv;
-  balance_.step.fill_(c.balance_rate);
-  balance_.last.zero_();
+  // The step sizes start afresh on every batch; the multipliers carry over.
+  BalanceState solve = balance_;
+  solve.step = at::full_like(balance_.upper, c.balance_rate);
+  solve.last = at::zeros_like(balance_.upper);
   for (int iteration = 0;; ++iteration) {
     Selection sel = Select(logits + BalanceBias().to(logits.dtype()));
     const at::Tensor counts = at::bincount(sel.ids.reshape(-1), {}, c.num_experts);
     const double mean = static_cast<double>(sel.ids.numel()) / c.num_experts;
     const double worst = (counts.to(at::kDouble) - mean).abs().max().item<double>() / mean;
     if (worst <= delta || iteration == kMaxBalanceIterations) return sel;
-    BalanceControllerUpdate(balance_, counts, c.target_expert_cv, kBalanceBand, c.balance_rate);
+    BalanceControllerUpdate(solve, counts, c.target_expert_cv, kBalanceBand, c.balance_rate);
   }
 }
 

@@ -116,7 +116,8 @@ class RouterLayer {
   at::Tensor& logit_ema() { return logit_ema_; }      // [N]
   at::Tensor& loss_free_bias() { return loss_free_bias_; }  // [N]
   at::Tensor& pending_counts() { return pending_counts_; }  // [N]
-  // The balance controller's state (BalanceControllerUpdate). In training,
+  // The balance controller's multipliers (upper, lower, loss_multiplier;
+  // step and last exist only during a solve). In training,
   // Route runs the dual ascent on the batch itself, from the multipliers the
   // last batch left, until every expert's load is inside the band (at most
   // kMaxBalanceIterations updates); evaluation and serving use the

@@ -127,7 +127,8 @@ at::Tensor GroupConditionalLoadLoss(const at::Tensor& probs, const at::Tensor& i
 // rule). `last` holds the previous x. In place, no gradient; a no-op for
 // all-zero counts.
 struct BalanceState {
-  at::Tensor upper, lower, step, last;  // [N] each
+  at::Tensor upper, lower;  // [N] each, the multipliers
+  at::Tensor step, last;    // [N] each, the step sizes and the previous x
   // mu of the group-conditional load loss, [1]: projected dual ascent on the
   // CV of the gate's own picks (without the bias),
   // mu <- max(0, mu + kBalanceLossRate * (CV_gate - target)).
