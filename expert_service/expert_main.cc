@@ -16,6 +16,7 @@
 #include "common/program.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
+#include "common/compute_setup.h"
 #include "common/torch_runtime.h"
 #include "expert_service/expert_grpc_service.h"
 #include "expert_service/expert_metrics.h"
@@ -37,6 +38,9 @@ ABSL_FLAG(int32_t, metrics_port, -1,
           "Prometheus /metrics port; 0 picks a free one, -1 disables metrics");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "interface of the metrics endpoint");
 ABSL_FLAG(int32_t, threads, 0, "torch intra-op threads; 0 = all cores");
+ABSL_FLAG(bool, blas_probe, true,
+          "with BLIS and no BLIS_ARCH_TYPE set: time the kernel sets this CPU supports and keep "
+          "the fastest");
 ABSL_FLAG(int32_t, max_message_bytes, 64 << 20, "max gRPC message, both ways");
 ABSL_FLAG(int64_t, max_tokens, 65536, "max rows in one Forward request");
 ABSL_FLAG(double, saved_state_ttl_s, 300,
@@ -116,7 +120,12 @@ void LogServing(ExpertServer& server, const ExpertServerOptions& options) {
 }
 
 absl::Status Run() {
-  HIMOE_RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
+  ComputeOptions compute_options;
+  compute_options.threads = absl::GetFlag(FLAGS_threads);
+  compute_options.probe_kernels = absl::GetFlag(FLAGS_blas_probe);
+  compute_options.gemm_gflops = -1;
+  HIMOE_ASSIGN_OR_RETURN(const ComputeSetup compute, ConfigureCompute(compute_options));
+  LogComputeSetup(compute);
   HIMOE_ASSIGN_OR_RETURN(const ExpertServerOptions options, OptionsFromFlags());
   HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<ExpertServer> server, ExpertServer::Start(options));
   LogServing(*server, options);

@@ -88,6 +88,21 @@ absl::Status ValidateModelOptions(const ModelOptions& o) {
   return absl::OkStatus();
 }
 
+double TrainingFlopsPerToken(const ModelOptions& o) {
+  const double d = static_cast<double>(o.d_model);
+  double macs = d * static_cast<double>(o.vocab_size);
+  for (int layer = 0; layer < o.n_layer; ++layer) {
+    macs += 4 * d * d + 2 * static_cast<double>(o.block_size) * d;
+    if (MoeIndex(o, layer) >= 0) {
+      macs += d * o.routing.num_experts +
+              o.routing.total_k() * 2 * d * static_cast<double>(o.d_ff);
+    } else {
+      macs += 2 * d * static_cast<double>(o.dense_ff);
+    }
+  }
+  return 6 * macs;
+}
+
 v1::ExpertShape ExpertShapeFor(const ModelOptions& o) {
   v1::ExpertShape s;
   s.set_num_experts(o.routing.num_experts);

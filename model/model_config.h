@@ -34,6 +34,16 @@ int NumMoeLayers(const ModelOptions& options);
 // at least one MoE layer.
 absl::Status ValidateModelOptions(const ModelOptions& options);
 
+// Model FLOPs of one training token (forward + backward), counting the
+// matmuls only, as nanoGPT's MFU does (PaLM appendix B): a forward
+// multiply-add is 2 FLOPs and backward costs twice forward, so 6 FLOPs per
+// multiply-add. Per token and layer: QKV and output projections 4 d^2,
+// attention scores and values 2 T d (T = block_size, the full T x T product
+// is computed and masked), then either the router d N plus K experts of
+// 2 d d_ff each (K = total_k) or the dense FFN 2 d dense_ff; once per token
+// the tied LM head d V. Dropped tokens (capacity) still count.
+double TrainingFlopsPerToken(const ModelOptions& options);
+
 // The experts of this model.
 v1::ExpertShape ExpertShapeFor(const ModelOptions& options);
 

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/profile_scope.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 
@@ -87,6 +88,7 @@ absl::StatusOr<std::shared_ptr<TransformerLM>> TransformerLM::Create(const Model
 }
 
 at::Tensor TransformerLM::Attention(Block& b, const at::Tensor& x) {
+  HIMOE_PROFILE_SCOPE("attention");
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = options_.n_head;
   const auto qkv = b.qkv->forward(x).split(C, 2);
   const auto heads = [&](const at::Tensor& t) {
@@ -130,17 +132,24 @@ absl::StatusOr<ModelOutput> TransformerLM::Forward(const at::Tensor& idx, const 
   out.aux = {zero, zero, zero, zero, zero};
   absl::Status status = CatchTorchErrors([&]() -> absl::Status {
     const int64_t T = idx.size(1);
-    at::Tensor x = wte_->forward(idx) + wpe_->forward(at::arange(T, idx.options()));
+    at::Tensor x;
+    {
+      HIMOE_PROFILE_SCOPE("embedding");
+      x = wte_->forward(idx) + wpe_->forward(at::arange(T, idx.options()));
+    }
     for (Block& b : blocks_) {
+      HIMOE_PROFILE_SCOPE("layer norm, residual");
       x = x + Attention(b, b.ln1->forward(x));
       const at::Tensor n = b.ln2->forward(x);
       if (b.moe >= 0) {
         HIMOE_ASSIGN_OR_RETURN(at::Tensor y, MoeFfn(b.moe, n, call, &out));
         x = x + y;
       } else {
+        HIMOE_PROFILE_SCOPE("dense FFN");
         x = x + b.fc_out->forward(at::gelu(b.fc->forward(n)));
       }
     }
+    HIMOE_PROFILE_SCOPE("LM head, loss");
     out.logits = at::linear(ln_f_->forward(x), wte_->weight);  // tied head
     if (targets.defined()) {
       out.task_loss = at::cross_entropy_loss(out.logits.view({-1, options_.vocab_size}),

@@ -17,6 +17,7 @@
 #include "common/program.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
+#include "common/compute_setup.h"
 #include "common/torch_runtime.h"
 #include "model/checkpoint_reader.h"
 #include "model/generator.h"
@@ -30,6 +31,9 @@ ABSL_FLAG(int, metrics_port, -1,
           "Prometheus /metrics port (0 = pick one); default: router.metrics_port");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "Interface the metrics endpoint binds");
 ABSL_FLAG(int, threads, 0, "Torch intra-op threads (0 = all cores)");
+ABSL_FLAG(bool, blas_probe, true,
+          "with BLIS and no BLIS_ARCH_TYPE set: time the kernel sets this CPU supports and keep "
+          "the fastest");
 ABSL_FLAG(std::string, port_file, "",
           "If set, write '<grpc port> <metrics port>' here once serving");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "Max gRPC message size, both directions");
@@ -105,7 +109,12 @@ absl::Status ServeCheckpoint(const v1::ClusterConfig& cluster,
 }
 
 absl::Status Run() {
-  HIMOE_RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
+  ComputeOptions compute_options;
+  compute_options.threads = absl::GetFlag(FLAGS_threads);
+  compute_options.probe_kernels = absl::GetFlag(FLAGS_blas_probe);
+  compute_options.gemm_gflops = -1;
+  HIMOE_ASSIGN_OR_RETURN(const ComputeSetup compute, ConfigureCompute(compute_options));
+  LogComputeSetup(compute);
   if (absl::GetFlag(FLAGS_cluster).empty()) {
     return absl::InvalidArgumentError("--cluster is required (see --help)");
   }

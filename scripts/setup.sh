@@ -14,7 +14,7 @@ PACKAGES=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev prometheus-cpp-dev libcurl4-openssl-dev libssl-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  libblis4-pthread libgoogle-glog-dev libgflags-dev
+  libblis4-openmp libgoogle-glog-dev libgflags-dev
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy
   fortunes fortunes-min
   prometheus gnuplot-nox python3-yaml iproute2
@@ -77,11 +77,14 @@ select_alternative() {
 }
 
 # LibTorch links libblas.so.3/liblapack.so.3; Debian's default reference BLAS
-# is unoptimised, BLIS is several times faster for the matmuls we run.
+# is unoptimised, BLIS is several times faster for the matmuls we run. Its
+# OpenMP build shares LibTorch's thread pool; the pthreads build starts threads
+# on every call, slower on 2 threads than on 1 for a training step's products.
+# The programs pick BLIS's kernels at start (common/compute_setup.h).
 select_blas() {
   local arch blis_blas lapack
   arch="$(multiarch)"
-  blis_blas="/usr/lib/${arch}/blis-pthread/libblas.so.3"
+  blis_blas="/usr/lib/${arch}/blis-openmp/libblas.so.3"
   if [[ ! -e "${blis_blas}" ]]; then
     log "BLIS not installed (${blis_blas} missing); leaving libblas as is" >&2
     return 0

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/profile_scope.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 
@@ -36,15 +37,25 @@ absl::StatusOr<router::MoEOutput> BackendMoE::Forward(int layer, const at::Tenso
   }
   router::MoEOutput out;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
-    HIMOE_ASSIGN_OR_RETURN(out.routing, routers_[layer]->Route(x, call.training));
-    std::vector<at::Tensor> rows, ids;
-    for (const router::GroupDispatch& d : out.routing.groups) {
-      rows.push_back(x.index_select(0, d.token_rows));
-      ids.push_back(d.expert_ids);
+    {
+      HIMOE_PROFILE_SCOPE("routing, aux losses");
+      HIMOE_ASSIGN_OR_RETURN(out.routing, routers_[layer]->Route(x, call.training));
     }
-    HIMOE_ASSIGN_OR_RETURN(
-        std::vector<at::Tensor> outputs,
-        experts_->Forward(layer, call.step, call.micro_batch, rows, ids, call.training));
+    std::vector<at::Tensor> rows, ids;
+    {
+      HIMOE_PROFILE_SCOPE("dispatch");
+      for (const router::GroupDispatch& d : out.routing.groups) {
+        rows.push_back(x.index_select(0, d.token_rows));
+        ids.push_back(d.expert_ids);
+      }
+    }
+    std::vector<at::Tensor> outputs;
+    {
+      HIMOE_PROFILE_SCOPE("experts");
+      HIMOE_ASSIGN_OR_RETURN(
+          outputs, experts_->Forward(layer, call.step, call.micro_batch, rows, ids, call.training));
+    }
+    HIMOE_PROFILE_SCOPE("combine");
     for (at::Tensor& y : outputs) {
       if (!y.defined()) y = at::zeros({0, d_model_}, x.options());
     }

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/expert_shape.h"
+#include "common/profile_scope.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "common/torch_runtime.h"
@@ -363,25 +364,32 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
   const size_t n = call.groups.size();
   call.requests.assign(n, v1::ExpertForwardRequest());
   std::vector<v1::ExpertForwardResponse> responses(n);
-  for (size_t i = 0; i < n; ++i) {
-    v1::ExpertForwardRequest& r = call.requests[i];
-    r.set_layer(call.layer);
-    r.set_step(call.step);
-    r.set_micro_batch(call.micro_batch);
-    r.set_request_id(next_request_id_.fetch_add(1));
-    r.set_save_for_backward(save);
-    const at::Tensor cpu_ids = ids[i].to(at::kCPU).contiguous();
-    const std::vector<int64_t> experts(cpu_ids.data_ptr<int64_t>(),
-                                       cpu_ids.data_ptr<int64_t>() + cpu_ids.numel());
-    HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(rows[i].detach().to(at::kFloat).contiguous(),
-                                                   experts, 0, rows[i].size(0),
-                                                   r.mutable_inputs()));
+  {
+    HIMOE_PROFILE_SCOPE("expert RPC: encode");
+    for (size_t i = 0; i < n; ++i) {
+      v1::ExpertForwardRequest& r = call.requests[i];
+      r.set_layer(call.layer);
+      r.set_step(call.step);
+      r.set_micro_batch(call.micro_batch);
+      r.set_request_id(next_request_id_.fetch_add(1));
+      r.set_save_for_backward(save);
+      const at::Tensor cpu_ids = ids[i].to(at::kCPU).contiguous();
+      const std::vector<int64_t> experts(cpu_ids.data_ptr<int64_t>(),
+                                         cpu_ids.data_ptr<int64_t>() + cpu_ids.numel());
+      HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(rows[i].detach().to(at::kFloat).contiguous(),
+                                                     experts, 0, rows[i].size(0),
+                                                     r.mutable_inputs()));
+    }
   }
-  HIMOE_RETURN_IF_ERROR(expert::FanOut(n, [&](size_t i, expert::ExpertGroupClient::Done done) {
-    const int group = call.groups[i];
-    clients_[group]->ForwardAsync(&call.requests[i], &responses[i],
-                                  Timed(group, "Forward", std::move(done)));
-  }));
+  {
+    HIMOE_PROFILE_SCOPE("expert RPC: wait");
+    HIMOE_RETURN_IF_ERROR(expert::FanOut(n, [&](size_t i, expert::ExpertGroupClient::Done done) {
+      const int group = call.groups[i];
+      clients_[group]->ForwardAsync(&call.requests[i], &responses[i],
+                                    Timed(group, "Forward", std::move(done)));
+    }));
+  }
+  HIMOE_PROFILE_SCOPE("expert RPC: decode");
   std::vector<at::Tensor> outputs;
   for (size_t i = 0; i < n; ++i) {
     HIMOE_ASSIGN_OR_RETURN(at::Tensor y, expert::ConcatExpertRows(
@@ -400,31 +408,38 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
   const size_t n = call.groups.size();
   std::vector<v1::ExpertBackwardRequest> requests(n);
   std::vector<v1::ExpertBackwardResponse> responses(n);
-  for (size_t i = 0; i < n; ++i) {
-    const v1::ExpertForwardRequest& f = call.requests[i];
-    v1::ExpertBackwardRequest& r = requests[i];
-    r.set_layer(f.layer());
-    r.set_step(f.step());
-    r.set_micro_batch(f.micro_batch());
-    r.set_request_id(f.request_id());
-    const at::Tensor g = grads[i].defined() ? grads[i].to(at::kFloat).contiguous()
-                                            : at::Tensor();
-    int64_t row = 0;
-    for (const v1::ExpertRows& in : f.inputs()) {
-      const int64_t rows = in.rows().shape(0);
-      v1::ExpertRows* out = r.add_output_grads();
-      out->set_expert_id(in.expert_id());
-      const at::Tensor part = g.defined() ? g.slice(0, row, row + rows)
-                                          : at::zeros({rows, d_model()});
-      HIMOE_RETURN_IF_ERROR(EncodeTensor(part, out->mutable_rows()));
-      row += rows;
+  {
+    HIMOE_PROFILE_SCOPE("expert RPC: encode");
+    for (size_t i = 0; i < n; ++i) {
+      const v1::ExpertForwardRequest& f = call.requests[i];
+      v1::ExpertBackwardRequest& r = requests[i];
+      r.set_layer(f.layer());
+      r.set_step(f.step());
+      r.set_micro_batch(f.micro_batch());
+      r.set_request_id(f.request_id());
+      const at::Tensor g = grads[i].defined() ? grads[i].to(at::kFloat).contiguous()
+                                              : at::Tensor();
+      int64_t row = 0;
+      for (const v1::ExpertRows& in : f.inputs()) {
+        const int64_t rows = in.rows().shape(0);
+        v1::ExpertRows* out = r.add_output_grads();
+        out->set_expert_id(in.expert_id());
+        const at::Tensor part = g.defined() ? g.slice(0, row, row + rows)
+                                            : at::zeros({rows, d_model()});
+        HIMOE_RETURN_IF_ERROR(EncodeTensor(part, out->mutable_rows()));
+        row += rows;
+      }
     }
   }
-  HIMOE_RETURN_IF_ERROR(expert::FanOut(n, [&](size_t i, expert::ExpertGroupClient::Done done) {
-    const int group = call.groups[i];
-    clients_[group]->BackwardAsync(&requests[i], &responses[i],
-                                   Timed(group, "Backward", std::move(done)));
-  }));
+  {
+    HIMOE_PROFILE_SCOPE("expert RPC: wait");
+    HIMOE_RETURN_IF_ERROR(expert::FanOut(n, [&](size_t i, expert::ExpertGroupClient::Done done) {
+      const int group = call.groups[i];
+      clients_[group]->BackwardAsync(&requests[i], &responses[i],
+                                     Timed(group, "Backward", std::move(done)));
+    }));
+  }
+  HIMOE_PROFILE_SCOPE("expert RPC: decode");
   std::vector<at::Tensor> input_grads;
   for (size_t i = 0; i < n; ++i) {
     HIMOE_ASSIGN_OR_RETURN(at::Tensor g, expert::ConcatExpertRows(

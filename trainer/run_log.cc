@@ -113,6 +113,7 @@ void RunLog::OnConfig(const v1::RunConfig& config) {
 void RunLog::OnStep(const StepResult& s) {
   seconds_ += s.seconds;
   tokens_ += s.tokens;
+  flops_ += s.flops;
   ++steps_seen_;
   recent_.push_back(s);
   while (static_cast<int>(recent_.size()) > window_) recent_.pop_front();
@@ -133,7 +134,32 @@ void RunLog::OnStep(const StepResult& s) {
                      {"tokens", s.tokens},
                      {"seconds", Sig6(s.seconds)},
                      {"tokens_per_s", Sig6(s.tokens / std::max(s.seconds, 1e-9))},
+                     {"gflops", Sig6(s.gflops())},
+                     {"mfu", Sig6(s.mfu())},
                      {"layers", std::move(layers)}};
+  WriteLine(line.dump());
+}
+
+void RunLog::OnMemory(int64_t coordinator, const std::vector<int64_t>& experts) {
+  const auto mib = [](int64_t bytes) { return Sig6(bytes / 1048576.0); };
+  Json per_expert = Json::array();
+  for (const int64_t bytes : experts) per_expert.push_back(mib(bytes));
+  const Json line = {{"kind", "memory"},
+                     {"coordinator_peak_rss_mib", mib(coordinator)},
+                     {"expert_peak_rss_mib", std::move(per_expert)}};
+  WriteLine(line.dump());
+}
+
+void RunLog::OnCompute(const ComputeSetup& c, double flops_per_token) {
+  const Json line = {{"kind", "compute"},
+                     {"threads", c.threads},
+                     {"blas_threads", c.blas_threads},
+                     {"blas", c.blas},
+                     {"kernels", c.kernels},
+                     {"kernels_source", c.kernels_source},
+                     {"gemm_gflops", Sig6(c.gemm_gflops)},
+                     {"vector_peak_gflops", Sig6(c.vector_peak_gflops)},
+                     {"flops_per_token", flops_per_token}};
   WriteLine(line.dump());
 }
 
@@ -153,6 +179,11 @@ std::string RunLog::ProgressLine() const {
   if (recent_.empty()) return "starting";
   const StepResult& s = recent_.back();
   const double rate = tokens_ / std::max(seconds_, 1e-9);
+  const std::string mfu =
+      s.machine_gflops > 0
+          ? absl::StrFormat(" | MFU %.0f%%", 100 * flops_ / std::max(seconds_, 1e-9) / 1e9 /
+                                                  s.machine_gflops)
+          : "";
   const double eta = seconds_ / steps_seen_ * (total_steps_ - s.step);
   double cv = 0, top = 0;
   for (const auto& st : s.layers) {
@@ -162,9 +193,9 @@ std::string RunLog::ProgressLine() const {
   const std::string val_ppl =
       last_val_loss_ < 0 ? "-" : absl::StrFormat("%.3f", std::exp(last_val_loss_));
   return absl::StrFormat(
-      "step %d/%d | loss %.4f (ce %.4f) | val ppl %s | CV %.3f | top share %.2f | %.1fk tok/s | "
+      "step %d/%d | loss %.4f (ce %.4f) | val ppl %s | CV %.3f | top share %.2f | %.1fk tok/s%s | "
       "ETA %s",
-      s.step, total_steps_, s.loss, s.task, val_ppl, cv, top, rate / 1000, Duration(eta));
+      s.step, total_steps_, s.loss, s.task, val_ppl, cv, top, rate / 1000, mfu, Duration(eta));
 }
 
 std::string RunLog::FinalReport() const {

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "himoe/v1/model.pb.h"
+#include "common/compute_setup.h"
 #include "trainer/trainer.h"
 
 namespace himoe::trainer {
@@ -27,9 +28,15 @@ class RunLog {
   // The run's settings (RunConfigFor): the JSON of `config` (proto field
   // names) with "kind":"config".
   void OnConfig(const v1::RunConfig& config);
+  // The compute set-up a throughput is read against ("kind":"compute").
+  void OnCompute(const ComputeSetup& compute, double flops_per_token);
   void OnStep(const StepResult& step);
+  // Peak resident memory of the coordinator and of each expert process it
+  // started, in bytes ("kind":"memory"; experts empty when none).
+  void OnMemory(int64_t coordinator, const std::vector<int64_t>& experts);
   void OnEval(int64_t step, const EvalResult& eval);
-  // "step 120/600 | loss 2.31 | val ppl 9.84 | CV 0.12 | 5.3k tok/s | ETA 1m12s"
+  // "step 120/600 | loss 2.31 | val ppl 9.84 | CV 0.12 | top share 0.41 |
+  // 5.3k tok/s | MFU 38% | ETA 1m12s" (MFU when the GEMM rate is known)
   std::string ProgressLine() const;
   // Expert CV, group CV, MaxVio, groups/token, the top expert's share inside
   // its group, the load entropy and mean ||pi||^2 per MoE layer over the last
@@ -51,6 +58,7 @@ class RunLog {
   double seconds_ = 0;
   int64_t steps_seen_ = 0;  // by this process (a resumed run starts late)
   int64_t tokens_ = 0;
+  double flops_ = 0;
   double last_val_loss_ = -1;
 };
 

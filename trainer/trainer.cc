@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/profile_scope.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 #include "model/checkpoint_reader.h"
@@ -65,6 +66,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   HIMOE_ASSIGN_OR_RETURN(t->corpus_, Corpus::Create(o.data));
   TrainerOptions& opts = t->options_;
   opts.model.vocab_size = t->corpus_->vocab_size();
+  t->flops_per_token_ = model::TrainingFlopsPerToken(opts.model);
   BatchSamplerOptions so;
   so.batch_size = o.batch_size;
   so.block_size = o.model.block_size;
@@ -114,7 +116,11 @@ absl::StatusOr<StepResult> Trainer::Step() {
     model_->train();
     optimizer_->zero_grad();
     for (int mb = 0; mb < options_.grad_accum; ++mb) {
-      const Batch batch = sampler_->Next();
+      Batch batch;
+      {
+        HIMOE_PROFILE_SCOPE("data");
+        batch = sampler_->Next();
+      }
       HIMOE_ASSIGN_OR_RETURN(
           model::ModelOutput out,
           model_->Forward(batch.x, batch.y, step, static_cast<uint32_t>(mb), true));
@@ -131,6 +137,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
       r.layers = std::move(out.stats);
     }
     // One clip scale over every shard: dense here, experts on the groups.
+    HIMOE_PROFILE_SCOPE("grad norm, optimizer");
     double norm2 = 0;
     for (const auto& p : model_->parameters()) {
       if (p.grad().defined()) norm2 += p.grad().to(at::kDouble).pow(2).sum().item<double>();
@@ -166,6 +173,8 @@ absl::StatusOr<StepResult> Trainer::Step() {
   }
   ++step_;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  r.flops = flops_per_token_ * static_cast<double>(r.tokens);
+  r.machine_gflops = options_.machine_gflops;
   return r;
 }
 

@@ -48,6 +48,9 @@ struct TrainerOptions {
   int64_t eval_every = 50;
   int64_t eval_windows = 64;
   uint64_t seed = 1;
+  // The machine's GEMM rate (ComputeSetup::gemm_gflops) that MFU is measured
+  // against; 0 = unknown.
+  double machine_gflops = 0;
 };
 
 // Warmup then cosine decay to min_lr at the last step (nanoGPT's schedule).
@@ -66,7 +69,14 @@ struct StepResult {
   double grad_norm = 0;  // before clipping, over dense and every expert shard
   int64_t tokens = 0;
   double seconds = 0;
+  double flops = 0;           // model FLOPs: tokens x TrainingFlopsPerToken
+  double machine_gflops = 0;  // TrainerOptions::machine_gflops
   std::vector<router::RoutingStats> layers;  // per MoE layer, last micro-batch
+
+  double gflops() const { return seconds > 0 ? flops / seconds / 1e9 : 0; }
+  // Model FLOPs utilisation: achieved over the machine's GEMM rate; 0 when
+  // that rate is unknown.
+  double mfu() const { return machine_gflops > 0 ? gflops() / machine_gflops : 0; }
 };
 
 struct EvalResult {
@@ -99,6 +109,7 @@ class Trainer {
   ExpertBackend& experts() { return *experts_; }
   const Corpus& corpus() const { return *corpus_; }
   const TrainerOptions& options() const { return options_; }
+  double flops_per_token() const { return flops_per_token_; }
 
  private:
   explicit Trainer(const TrainerOptions& options);
@@ -112,6 +123,7 @@ class Trainer {
   std::shared_ptr<model::TransformerLM> model_;  // over moe_
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   int64_t step_ = 0;
+  double flops_per_token_ = 0;
 };
 
 }  // namespace himoe::trainer

@@ -21,7 +21,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/cluster_config.h"
+#include "common/compute_setup.h"
 #include "common/expert_shape.h"
+#include "common/file_util.h"
+#include "common/process_stats.h"
 #include "common/metrics_endpoint.h"
 #include "common/program.h"
 #include "common/status_macros.h"
@@ -32,6 +35,7 @@
 #include "router_service/routing_config.h"
 #include "trainer/checkpoint.h"
 #include "trainer/run_log.h"
+#include "trainer/step_profiler.h"
 #include "trainer/trainer.h"
 #include "trainer/trainer_metrics.h"
 
@@ -81,6 +85,15 @@ ABSL_FLAG(int64_t, eval_windows, 64, "validation windows of block_size tokens");
 ABSL_FLAG(uint64_t, seed, 1, "seed of weights and batches");
 ABSL_FLAG(int, threads, 0, "torch threads of this process; 0 = all cores");
 ABSL_FLAG(int, expert_threads, 1, "torch threads per spawned expert process");
+ABSL_FLAG(bool, blas_probe, true,
+          "with BLIS and no BLIS_ARCH_TYPE set: time the kernel sets this CPU supports and keep "
+          "the fastest (spawned expert processes inherit the choice)");
+ABSL_FLAG(bool, profile, false,
+          "time each step by category (attention, routing, experts, RPC, optimizer, ...), after "
+          "3 warm-up steps; prints a table at the end and writes <out_dir>/profile.md");
+ABSL_FLAG(double, gemm_gflops, 0,
+          "the machine's fp32 GEMM rate in GFLOP/s that MFU is measured against; 0 = measure it "
+          "at start (0.3 s), -1 = no MFU");
 ABSL_FLAG(std::string, out_dir, "runs/latest", "metrics.jsonl and logs go here");
 ABSL_FLAG(int, metrics_port, -1, "Prometheus /metrics port; 0 picks one, -1 = off");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "interface of the metrics endpoint");
@@ -249,9 +262,21 @@ absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
   const TrainerOptions& o = trainer.options();
   const bool tty = isatty(STDERR_FILENO);
   const int64_t every = absl::GetFlag(FLAGS_checkpoint_every);
+  constexpr int64_t kProfileWarmup = 3;
+  std::unique_ptr<StepProfiler> profiler;
+  int64_t profiled_steps = 0;
   while (trainer.step() < o.steps) {
     if (spawned != nullptr) HIMOE_RETURN_IF_ERROR(spawned->CheckAlive());
+    if (absl::GetFlag(FLAGS_profile) && profiler == nullptr &&
+        (trainer.step() >= kProfileWarmup || o.steps <= kProfileWarmup)) {
+      HIMOE_ASSIGN_OR_RETURN(profiler, StepProfiler::Start());
+    }
+    if (profiler != nullptr) profiler->BeginStep();
     HIMOE_ASSIGN_OR_RETURN(const StepResult r, trainer.Step());
+    if (profiler != nullptr) {
+      profiler->EndStep();
+      ++profiled_steps;
+    }
     log.OnStep(r);
     if (metrics != nullptr) metrics->OnStep(r);
     const bool eval = r.step % o.eval_every == 0 || r.step == o.steps;
@@ -269,6 +294,14 @@ absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
       std::cerr << log.ProgressLine() << "\n";
     }
   }
+  if (profiler != nullptr) {
+    const std::string table =
+        absl::StrCat("Where a training step's time goes (", profiled_steps, " steps, ",
+                     o.experts_mode, " experts):\n\n", profiler->Table(profiled_steps));
+    std::cerr << "\n" << table;
+    HIMOE_RETURN_IF_ERROR(WriteFileAtomically(
+        absl::StrCat(absl::GetFlag(FLAGS_out_dir), "/profile.md"), table));
+  }
   return val;
 }
 
@@ -280,8 +313,14 @@ absl::Status Run() {
         "--expert_metrics_port: a port >= 0, or -1, and only with --experts=local (the cluster "
         "file gives a cluster's metrics ports)");
   }
-  HIMOE_RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
+  ComputeOptions compute_options;
+  compute_options.threads = absl::GetFlag(FLAGS_threads);
+  compute_options.probe_kernels = absl::GetFlag(FLAGS_blas_probe);
+  compute_options.gemm_gflops = absl::GetFlag(FLAGS_gemm_gflops);
+  HIMOE_ASSIGN_OR_RETURN(const ComputeSetup compute, ConfigureCompute(compute_options));
+  LogComputeSetup(compute);
   HIMOE_ASSIGN_OR_RETURN(TrainerOptions o, OptionsFromFlags());
+  o.machine_gflops = compute.gemm_gflops;
   const std::string out_dir = absl::GetFlag(FLAGS_out_dir);
   std::error_code ec;
   std::filesystem::create_directories(out_dir, ec);
@@ -304,6 +343,7 @@ absl::Status Run() {
                          RunLog::Create(absl::StrCat(out_dir, "/metrics.jsonl"), o.steps, 50,
                                         /*append=*/absl::GetFlag(FLAGS_resume)));
   log->OnConfig(RunConfigFor(trainer->options(), trainer->step()));
+  log->OnCompute(compute, trainer->flops_per_token());
   TrainerMetrics* metrics = endpoint.metrics.get();
   HIMOE_ASSIGN_OR_RETURN(const double first_val,
                          Evaluate(*trainer, trainer->step(), *log, metrics));
@@ -312,6 +352,22 @@ absl::Status Run() {
   HIMOE_ASSIGN_OR_RETURN(const double val, TrainLoop(*trainer, first_val, *log, metrics,
                                                      spawned.get(), checkpoints));
   std::cerr << "\n" << log->FinalReport();
+  HIMOE_ASSIGN_OR_RETURN(const int64_t coordinator_rss, PeakRssBytes());
+  std::vector<int64_t> expert_rss;
+  std::string memory = absl::StrFormat("peak RSS: coordinator %.0f MiB", coordinator_rss / 1048576.0);
+  if (spawned != nullptr) {
+    for (const int pid : spawned->pids()) {
+      HIMOE_ASSIGN_OR_RETURN(const int64_t bytes, PeakRssBytes(pid));
+      expert_rss.push_back(bytes);
+    }
+    absl::StrAppend(&memory, ", expert processes ",
+                    absl::StrJoin(expert_rss, ", ", [](std::string* out, int64_t bytes) {
+                      absl::StrAppendFormat(out, "%.0f", bytes / 1048576.0);
+                    }),
+                    " MiB");
+  }
+  log->OnMemory(coordinator_rss, expert_rss);
+  std::cerr << memory << "\n";
   std::cerr << absl::StrFormat(
       "validation: loss %.4f -> %.4f, perplexity %.3f -> %.3f (task cross-entropy only)\n"
       "metrics: %s/metrics.jsonl\n",

@@ -86,6 +86,17 @@ TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_
   val_ppl_ = &gauge("himoe_trainer_val_perplexity", "exp(validation cross entropy)").Add({});
   tokens_per_second_ =
       &gauge("himoe_trainer_tokens_per_second", "Training tokens per second, last step").Add({});
+  model_gflops_ = &gauge("himoe_trainer_model_gflops",
+                         "Model FLOPs per second of the last step, in GFLOP/s "
+                         "(TrainingFlopsPerToken x tokens / step time)")
+                       .Add({});
+  mfu_ = &gauge("himoe_trainer_mfu",
+                "Model FLOPs utilisation of the last step: model GFLOP/s over the "
+                "machine's GEMM rate (0 when unknown)")
+              .Add({});
+  machine_gflops_ = &gauge("himoe_trainer_machine_gflops",
+                           "The machine's fp32 GEMM rate MFU is measured against, GFLOP/s")
+                         .Add({});
   step_ = &gauge("himoe_trainer_step", "Optimizer steps done").Add({});
   lr_ = &gauge("himoe_trainer_learning_rate", "Learning rate of the last step").Add({});
   grad_norm_ = &gauge("himoe_trainer_grad_norm",
@@ -141,6 +152,9 @@ void TrainerMetrics::OnStep(const StepResult& s) {
     }
   }
   tokens_per_second_->Set(s.tokens / std::max(s.seconds, 1e-9));
+  model_gflops_->Set(s.gflops());
+  mfu_->Set(s.mfu());
+  machine_gflops_->Set(s.machine_gflops);
   step_->Set(static_cast<double>(s.step));
   lr_->Set(s.lr);
   grad_norm_->Set(s.grad_norm);

@@ -41,6 +41,7 @@ class TrainerMetrics {
   prometheus::Family<prometheus::Histogram>& rpc_;
   std::vector<Layer> layers_;
   prometheus::Gauge *val_loss_, *val_ppl_, *tokens_per_second_, *step_, *lr_, *grad_norm_;
+  prometheus::Gauge *model_gflops_, *mfu_, *machine_gflops_;
   prometheus::Histogram* step_seconds_;
   prometheus::Counter* trained_tokens_;
 };

@@ -66,10 +66,12 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
+#include "common/compute_setup.h"
 #include "common/torch_runtime.h"
 #include "router_service/local_moe.h"
 #include "router_service/remote_moe.h"
 
+ABSL_FLAG(bool, blas_probe, true, "probe BLIS kernel sets (see himoe-trainer --help)");
 ABSL_FLAG(int64_t, tokens, 4096, "tokens per forward (T)");
 ABSL_FLAG(int64_t, d_model, 512, "model width");
 ABSL_FLAG(int64_t, d_ff, 2048, "expert hidden width");
@@ -346,7 +348,12 @@ class CapturingReporter : public benchmark::ConsoleReporter {
 };
 
 absl::Status Run() {
-  HIMOE_RETURN_IF_ERROR(ConfigureTorchThreads(absl::GetFlag(FLAGS_threads)));
+  ComputeOptions compute_options;
+  compute_options.threads = absl::GetFlag(FLAGS_threads);
+  compute_options.probe_kernels = absl::GetFlag(FLAGS_blas_probe);
+  compute_options.gemm_gflops = -1;
+  HIMOE_ASSIGN_OR_RETURN(const ComputeSetup compute, ConfigureCompute(compute_options));
+  LogComputeSetup(compute);
   const int cores = DefaultThreadCount();
   const int64_t tokens = absl::GetFlag(FLAGS_tokens);
   const int64_t d = absl::GetFlag(FLAGS_d_model);

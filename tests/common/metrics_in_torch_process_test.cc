@@ -1,6 +1,7 @@
 // A prometheus-cpp (civetweb) metrics endpoint must start and answer in a
 // process that has already loaded LibTorch, its OpenMP pool and the system
-// BLAS, as the serving binaries do.
+// BLAS with the kernels and threads ConfigureCompute chose, as the serving
+// binaries do.
 
 #include <limits.h>
 #include <link.h>
@@ -19,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "common/compute_setup.h"
 #include "common/torch_runtime.h"
 #include "tests/http_get.h"
 #include "gmock/gmock.h"
@@ -68,7 +70,11 @@ std::vector<std::string> LoadedLibblas() {
 class MetricsInTorchProcessTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_TRUE(ConfigureTorchThreads(0).ok());
+    // The set-up every binary runs: kernel probe (child processes), threads,
+    // BLAS threads, GEMM rate.
+    absl::StatusOr<ComputeSetup> setup = ConfigureCompute(ComputeOptions());
+    ASSERT_TRUE(setup.ok()) << setup.status();
+    std::cout << setup->Summary() << std::endl;
     torch::manual_seed(7);
     MatmulMatchesManualDotProduct();
 

@@ -97,6 +97,28 @@ TEST(ModelConfigTest, ExpertShapeOfAModel) {
   EXPECT_EQ(s.dtype(), v1::DTYPE_BFLOAT16);
 }
 
+TEST(ModelConfigTest, TrainingFlopsOfTheReleasedConfig) {
+  // 4 layers, d 128, block 128, vocab 256, 8 experts in 4 groups, k 1 per
+  // group (K 4), width 512, MoE on every layer. Multiply-adds per token:
+  // layer 4*128^2 + 2*128*128 + 128*8 + 4*2*128*512 = 623616; 4 layers
+  // 2494464; head 128*256 = 32768; total 2527232; x6 = 15163392.
+  ModelOptions o;
+  o.n_layer = 4;
+  o.d_model = 128;
+  o.block_size = 128;
+  o.vocab_size = 256;
+  o.d_ff = 512;
+  o.routing.num_experts = 8;
+  o.routing.num_groups = 4;
+  o.routing.top_k = 1;
+  EXPECT_DOUBLE_EQ(TrainingFlopsPerToken(o), 15163392.0);
+  // Every other layer dense (dense_ff 512): layers 0 and 2 swap the router
+  // and experts (1024 + 524288) for 2*128*512 = 131072 multiply-adds each.
+  o.moe_every = 2;
+  o.dense_ff = 512;
+  EXPECT_DOUBLE_EQ(TrainingFlopsPerToken(o), 6.0 * (2527232 - 2 * (525312 - 131072)));
+}
+
 TEST(ModelConfigTest, RoutingOfAClusterFile) {
   auto cluster = ParseClusterConfig(R"pb(
     model { d_model: 8 d_ff: 8 num_experts: 4 top_k: 2 }

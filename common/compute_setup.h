@@ -1,0 +1,73 @@
+#ifndef HIMOE_COMMON_COMPUTE_SETUP_H_
+#define HIMOE_COMMON_COMPUTE_SETUP_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace himoe {
+
+// How a process sets up its CPU math: threads, the BLAS kernels, and the GEMM
+// rate that utilisation (MFU) is measured against.
+struct ComputeOptions {
+  // Torch intra-op and BLAS threads; <= 0 means all cores.
+  int threads = 0;
+  // With BLIS and no BLIS_ARCH_TYPE in the environment: time each kernel set
+  // (sub-configuration) the CPU supports in a child process, check its result,
+  // and keep the fastest. Otherwise BLIS picks, and on CPUs it does not know
+  // it falls back to its slow 'generic' kernels.
+  bool probe_kernels = true;
+  // The machine's GEMM rate in GFLOP/s; > 0 skips the probe that measures it,
+  // 0 measures it, < 0 neither (gemm_gflops stays 0).
+  double gemm_gflops = 0;
+};
+
+// One kernel set timed by the probe.
+struct KernelProbe {
+  std::string name;
+  double gflops = 0;  // one thread, on a [1024,256]x[256,512] product
+  std::string error;  // empty when the kernels ran and matched the reference
+};
+
+struct ComputeSetup {
+  int threads = 1;
+  int blas_threads = 1;
+  std::string blas;            // e.g. "BLIS 0.9.0 (openmp)"
+  std::string kernels;         // the kernel set in use, e.g. "skx"
+  std::string kernels_source;  // "probed", "BLIS_ARCH_TYPE", "library"
+  std::vector<KernelProbe> probes;
+  // A [2048,128]x[128,512] product with 1 and with `threads` BLAS threads.
+  std::vector<double> blas_thread_gflops;
+  double gemm_gflops = 0;         // large fp32 GEMMs with `threads` threads
+  double vector_peak_gflops = 0;  // what the CPU's vector units promise; 0 if unknown
+
+  // One line for the log.
+  std::string Summary() const;
+  // Why this set-up is likely far from the machine's limit; empty if not.
+  std::vector<std::string> Warnings() const;
+};
+
+// Configures threads and BLAS kernels, then measures the GEMM rate. Call it
+// first in main, before any matmul and before other threads start: the kernel
+// probe forks, and BLIS reads BLIS_ARCH_TYPE once, on its first call. The
+// choice is exported in BLIS_ARCH_TYPE, so child processes (expert groups
+// started by the trainer) inherit it without probing again.
+absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options);
+
+// Summary() at INFO, each warning at WARNING.
+void LogComputeSetup(const ComputeSetup& setup);
+
+// Best fp32 GEMM rate over `seconds` of [n,n]x[n,n] products, in GFLOP/s.
+absl::StatusOr<double> MeasureGemmGflops(int n, double seconds);
+
+// Kernel sets this CPU can run, fastest family first (BLIS names).
+std::vector<std::string> CandidateBlisKernels();
+
+// threads x GHz x fp32 lanes x 2 (FMA) x 2 (FMA units), from CPU flags and
+// /proc/cpuinfo; 0 when the clock is unknown.
+double VectorPeakGflops(int threads);
+
+}  // namespace himoe
+
+#endif  // HIMOE_COMMON_COMPUTE_SETUP_H_

@@ -1,0 +1,123 @@
+// Each test runs in its own process (ctest), so BLIS starts fresh in each:
+// it reads BLIS_ARCH_TYPE and BLIS_NUM_THREADS once, on its first product.
+
+#include "common/compute_setup.h"
+
+#include <stdlib.h>
+
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace himoe {
+namespace {
+
+using ::testing::Contains;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// c = a @ b checked entry by entry against double sums.
+void ExpectMatmulMatchesHandSums() {
+  const at::Tensor a = at::randn({96, 64});
+  const at::Tensor b = at::randn({64, 80});
+  const at::Tensor c = at::mm(a, b);
+  const auto ac = a.accessor<float, 2>();
+  const auto bc = b.accessor<float, 2>();
+  const auto cc = c.accessor<float, 2>();
+  double worst = 0;
+  for (int i = 0; i < 96; ++i) {
+    for (int j = 0; j < 80; ++j) {
+      double sum = 0;
+      for (int k = 0; k < 64; ++k) sum += static_cast<double>(ac[i][k]) * bc[k][j];
+      worst = std::max(worst, std::abs(sum - cc[i][j]));
+    }
+  }
+  EXPECT_LT(worst, 1e-3);
+}
+
+bool IsBlis(const ComputeSetup& setup) { return setup.blas.rfind("BLIS", 0) == 0; }
+
+TEST(ComputeSetupTest, CandidatesFollowTheCpuFlags) {
+  const std::vector<std::string> names = CandidateBlisKernels();
+  ASSERT_FALSE(names.empty());
+  EXPECT_EQ(names.back(), "generic");
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  EXPECT_EQ(avx512, std::find(names.begin(), names.end(), "skx") != names.end());
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  EXPECT_EQ(avx2, std::find(names.begin(), names.end(), "haswell") != names.end());
+}
+
+TEST(ComputeSetupTest, VectorPeakScalesWithThreads) {
+  const double one = VectorPeakGflops(1);
+  ASSERT_GT(one, 0) << "no 'cpu MHz' in /proc/cpuinfo";
+  EXPECT_DOUBLE_EQ(VectorPeakGflops(3), 3 * one);
+}
+
+// The default set-up: on a CPU with vector units BLIS does not run its
+// 'generic' kernels, every probed kernel set that ran is reported with a
+// rate, and products stay correct.
+TEST(ComputeSetupTest, ProbedKernelsAreNotGenericAndProductsStayCorrect) {
+  unsetenv("BLIS_ARCH_TYPE");
+  ComputeOptions options;
+  options.threads = 2;
+  auto setup = ConfigureCompute(options);
+  ASSERT_TRUE(setup.ok()) << setup.status();
+  std::cout << setup->Summary() << std::endl;
+  EXPECT_EQ(setup->threads, 2);
+  EXPECT_GT(setup->gemm_gflops, 0);
+  ExpectMatmulMatchesHandSums();
+  if (!IsBlis(*setup)) GTEST_SKIP() << "the system BLAS is " << setup->blas << ", not BLIS";
+  ASSERT_THAT(setup->kernels_source, ::testing::AnyOf("library", "probed"));
+  if (CandidateBlisKernels().size() > 1) {
+    EXPECT_NE(setup->kernels, "generic") << setup->Summary();
+    EXPECT_THAT(setup->Summary(), HasSubstr("kernels '" + setup->kernels + "'"));
+  }
+  for (const KernelProbe& p : setup->probes) {
+    EXPECT_TRUE(p.error.empty() ? p.gflops > 0 : p.gflops == 0) << p.name << ": " << p.error;
+  }
+  if (setup->kernels_source == "probed") {
+    // The choice is exported for child processes.
+    ASSERT_NE(getenv("BLIS_ARCH_TYPE"), nullptr);
+  }
+  EXPECT_THAT(setup->blas_thread_gflops, ::testing::SizeIs(2));
+}
+
+// BLIS_ARCH_TYPE from the environment wins, is named, and 'generic' warns.
+TEST(ComputeSetupTest, ForcedGenericKernelsAreNamedAndWarnedAbout) {
+  ComputeOptions options;
+  options.threads = 1;
+  options.gemm_gflops = -1;
+  // BLIS 0.9 reads a number: 'generic' is the last of its kernel sets.
+  setenv("BLIS_ARCH_TYPE", "25", 1);
+  auto setup = ConfigureCompute(options);
+  ASSERT_TRUE(setup.ok()) << setup.status();
+  if (!IsBlis(*setup)) GTEST_SKIP() << "the system BLAS is " << setup->blas << ", not BLIS";
+  EXPECT_EQ(setup->kernels_source, "BLIS_ARCH_TYPE");
+  EXPECT_EQ(setup->kernels, "generic");
+  EXPECT_TRUE(setup->probes.empty());
+  EXPECT_EQ(setup->gemm_gflops, 0);  // -1: not measured
+  EXPECT_THAT(setup->Warnings(), Contains(HasSubstr("'generic' kernels")));
+  ExpectMatmulMatchesHandSums();
+}
+
+TEST(ComputeSetupTest, AGivenGemmRateIsKept) {
+  ComputeOptions options;
+  options.threads = 1;
+  options.probe_kernels = false;
+  options.gemm_gflops = 123.5;
+  auto setup = ConfigureCompute(options);
+  ASSERT_TRUE(setup.ok()) << setup.status();
+  EXPECT_EQ(setup->gemm_gflops, 123.5);
+  EXPECT_TRUE(setup->probes.empty());
+  EXPECT_THAT(setup->Summary(), HasSubstr("GEMM rate 123.5 GFLOP/s"));
+  EXPECT_THAT(setup->Warnings(), Not(Contains(HasSubstr("BLAS runs on 1 thread"))));
+}
+
+}  // namespace
+}  // namespace himoe
