@@ -354,17 +354,6 @@ double VectorPeakGflops(int threads) {
   return threads * mhz / 1000.0 * lanes * 2 * 2;
 }
 
-absl::StatusOr<double> MeasureGemmGflops(int n, double seconds) {
-  double gflops = 0;
-  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-    const at::Tensor a = ProbeMatrix(n, n);
-    const at::Tensor b = ProbeMatrix(n, n);
-    gflops = TimeGemm(a, b, seconds);
-    return absl::OkStatus();
-  }));
-  return gflops;
-}
-
 absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options) {
   ComputeSetup setup;
   const BlasLibrary library = BlasLibrary::Find();
@@ -382,12 +371,24 @@ absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options) {
     }
     if (options.probe_kernels) SelectBlisThreads(setup);
   }
+  setup.gemm_threads = options.gemm_threads > 0 ? options.gemm_threads : setup.threads;
   if (options.gemm_gflops > 0) {
     setup.gemm_gflops = options.gemm_gflops;
   } else if (options.gemm_gflops == 0) {
-    HIMOE_ASSIGN_OR_RETURN(setup.gemm_gflops, MeasureGemmGflops(1024, 0.3));
+    // In a child, so that it may use other thread counts than this process.
+    const char* kernels = std::getenv(kArchEnv);
+    std::string error;
+    const int threads = setup.gemm_threads;
+    const int blas_threads = setup.blas_threads < setup.threads ? 1 : threads;
+    setup.gemm_gflops = ParseProbe(
+        InChild(kernels ? kernels : "", blas_threads,
+                [&] { return RunGemmProbe(threads, 1024, 1024, 1024, 0.3); }),
+        &error);
+    if (!error.empty()) {
+      return absl::InternalError(absl::StrCat("GEMM rate probe: ", error));
+    }
   }
-  setup.vector_peak_gflops = VectorPeakGflops(setup.threads);
+  setup.vector_peak_gflops = VectorPeakGflops(setup.gemm_threads);
   return setup;
 }
 
@@ -416,11 +417,13 @@ std::string ComputeSetup::Summary() const {
                           blas_thread_gflops[0], blas_thread_gflops[1]);
   }
   if (gemm_gflops > 0) {
-    absl::StrAppendFormat(&line, "; GEMM rate %.1f GFLOP/s", gemm_gflops);
+    absl::StrAppendFormat(&line, "; GEMM rate %.1f GFLOP/s on %d threads", gemm_gflops,
+                          gemm_threads);
     if (vector_peak_gflops > 0) {
-      absl::StrAppendFormat(&line, " (%.0f%% of the %.0f the vector units promise)",
-                            100 * gemm_gflops / vector_peak_gflops,
-                            vector_peak_gflops);
+      absl::StrAppendFormat(&line,
+                            " (%.0f%% of %.0f, the vector units' peak at the clock "
+                            "/proc/cpuinfo reports; turbo clocks exceed it)",
+                            100 * gemm_gflops / vector_peak_gflops, vector_peak_gflops);
     }
   }
   return line;

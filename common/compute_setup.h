@@ -21,6 +21,9 @@ struct ComputeOptions {
   // The machine's GEMM rate in GFLOP/s; > 0 skips the probe that measures it,
   // 0 measures it, < 0 neither (gemm_gflops stays 0).
   double gemm_gflops = 0;
+  // Threads of the GEMM-rate probe; 0 = `threads`. A coordinator that leaves
+  // cores to its expert processes measures against all of them.
+  int gemm_threads = 0;
 };
 
 // One kernel set timed by the probe.
@@ -39,7 +42,8 @@ struct ComputeSetup {
   std::vector<KernelProbe> probes;
   // A [2048,128]x[128,512] product with 1 and with `threads` BLAS threads.
   std::vector<double> blas_thread_gflops;
-  double gemm_gflops = 0;         // large fp32 GEMMs with `threads` threads
+  double gemm_gflops = 0;         // large fp32 GEMMs on `gemm_threads` threads
+  int gemm_threads = 1;
   double vector_peak_gflops = 0;  // what the CPU's vector units promise; 0 if unknown
 
   // One line for the log.
@@ -57,9 +61,6 @@ absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options);
 
 // Summary() at INFO, each warning at WARNING.
 void LogComputeSetup(const ComputeSetup& setup);
-
-// Best fp32 GEMM rate over `seconds` of [n,n]x[n,n] products, in GFLOP/s.
-absl::StatusOr<double> MeasureGemmGflops(int n, double seconds);
 
 // Kernel sets this CPU can run, fastest family first (BLIS names).
 std::vector<std::string> CandidateBlisKernels();

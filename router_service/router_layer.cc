@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/profile_scope.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 #include "router_service/routing_math.h"
@@ -199,6 +200,7 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
       if (c.sigmoid_scores) weight_source = at::sigmoid(g);
       sel = SelectFlatTopK(weight_source + loss_free_bias_, c.total_k());
     } else if (controlled && training) {
+      HIMOE_PROFILE_SCOPE("routing: balance solve");
       sel = SelectWithinBand(pi_logits);
     } else {
       sel = Select(controlled ? pi_logits + BalanceBias().to(pi_logits.dtype()) : pi);
@@ -251,6 +253,7 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
     }
 
     if (controlled && grouped && training) {
+      HIMOE_PROFILE_SCOPE("routing: balance loss");
       // The gate's own picks say how far it is from the target by itself.
       const Selection own = Select(pi_logits);
       // Minus its balanced value 1, so the reported term reads 0 at balance.

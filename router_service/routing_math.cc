@@ -41,8 +41,10 @@ Selection SelectGroupedTopK(const at::Tensor& scores, int64_t num_groups,
   at::NoGradGuard no_grad;
   const int64_t tokens = scores.size(0);
   const int64_t per_group = scores.size(1) / num_groups;
-  const at::Tensor local = std::get<1>(
-      at::topk(scores.detach().reshape({tokens, num_groups, per_group}), k, 2));
+  const at::Tensor grouped = scores.detach().reshape({tokens, num_groups, per_group});
+  // k = 1 (the paper's setting) is an argmax, several times cheaper than topk.
+  const at::Tensor local = k == 1 ? std::get<1>(at::max(grouped, 2, /*keepdim=*/true))
+                                  : std::get<1>(at::topk(grouped, k, 2));
   const at::Tensor offset =
       (at::arange(num_groups, local.options()) * per_group).view({1, num_groups, 1});
   Selection s;

@@ -63,9 +63,10 @@ def main():
     lines = [
         f"Measured {datetime.date.today().isoformat()} on {cpu_model()}, {cores} cores; "
         f"{first['blas']}, kernels '{first['kernels']}' ({first['kernels_source']}); "
-        f"GEMM rate at start of each run "
-        f"{min(x['gemm'] for x in r.values()):.0f}-{max(x['gemm'] for x in r.values()):.0f} "
-        f"GFLOP/s (2 threads).",
+        "MFU is against the GEMM rate each run measures at its start on the cores it uses "
+        "(its threads in process; all cores with expert processes): "
+        + ", ".join(sorted({f"{x['compute']['gemm_threads']} threads "
+                            f"{x['gemm']:.0f}" for x in r.values()})) + " GFLOP/s.",
         "",
         "| config | experts | threads | tokens/s | model GFLOP/s | MFU | remote / in-process "
         "| 2 / 1 threads | peak RSS coordinator | peak RSS per expert process |",

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <unordered_set>
 
 #include <ATen/SequenceNumber.h>
 #include <ATen/record_function.h>
@@ -37,6 +38,10 @@ std::unique_ptr<at::ObserverContext> OnStart(const at::RecordFunction& fn) {
     }
   } else if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
     p->OnBackwardStart(fn.seqNr());
+    if (p->with_ops()) p->OnOpStart(fn.name());
+    return std::make_unique<Tracked>();
+  } else {
+    p->OnOpStart(fn.name());
     return std::make_unique<Tracked>();
   }
   return nullptr;
@@ -47,8 +52,11 @@ void OnEnd(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   if (p == nullptr || ctx == nullptr || !p->owns_this_thread()) return;
   if (fn.scope() == at::RecordScope::USER_SCOPE) {
     p->OnScopeEnd();
-  } else {
+  } else if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
+    if (p->with_ops()) p->OnOpEnd();
     p->OnBackwardEnd();
+  } else {
+    p->OnOpEnd();
   }
 }
 
@@ -56,16 +64,19 @@ void OnEnd(const at::RecordFunction& fn, at::ObserverContext* ctx) {
 
 StepProfiler::StepProfiler() : owner_(std::this_thread::get_id()), last_(Now()) {}
 
-absl::StatusOr<std::unique_ptr<StepProfiler>> StepProfiler::Start() {
+absl::StatusOr<std::unique_ptr<StepProfiler>> StepProfiler::Start(bool with_ops) {
   std::unique_ptr<StepProfiler> p(new StepProfiler());
+  p->with_ops_ = with_ops;
   StepProfiler* expected = nullptr;
   if (!active.compare_exchange_strong(expected, p.get())) {
     return absl::FailedPreconditionError("a step profiler is already running");
   }
   absl::Status status = CatchTorchErrors([&] {
-    p->handle_ = at::addGlobalCallback(
-        at::RecordFunctionCallback(&OnStart, &OnEnd)
-            .scopes({at::RecordScope::USER_SCOPE, at::RecordScope::BACKWARD_FUNCTION}));
+    std::unordered_set<at::RecordScope, std::hash<at::RecordScope>> scopes = {
+        at::RecordScope::USER_SCOPE, at::RecordScope::BACKWARD_FUNCTION};
+    if (with_ops) scopes.insert(at::RecordScope::FUNCTION);
+    p->handle_ =
+        at::addGlobalCallback(at::RecordFunctionCallback(&OnStart, &OnEnd).scopes(scopes));
     return absl::OkStatus();
   });
   if (!status.ok()) {
@@ -137,6 +148,40 @@ void StepProfiler::OnBackwardEnd() {
   Charge();
   --backward_depth_;
   if (!open_.empty()) open_.pop_back();
+}
+
+void StepProfiler::OnOpStart(const char* name) {
+  // The engine's wrapper around each node is not an op of its own: the node
+  // inside it (BACKWARD_FUNCTION) is.
+  const bool outermost =
+      !absl::StartsWith(name, "autograd::engine::evaluate_function") &&
+      std::none_of(ops_open_.begin(), ops_open_.end(),
+                   [](const auto& op) { return !op.first.empty(); });
+  // Only the outermost op is timed; nested ones are pushed as empty names.
+  ops_open_.emplace_back(outermost ? name : "", Now());
+}
+
+void StepProfiler::OnOpEnd() {
+  if (ops_open_.empty()) return;
+  const auto [name, start] = ops_open_.back();
+  ops_open_.pop_back();
+  if (name.empty() || !charging_) return;
+  const std::string category = open_.empty() ? kOther : open_.back().category;
+  const bool backward = backward_depth_ > 0 || (!open_.empty() && open_.back().backward);
+  op_seconds_[absl::StrCat(category, backward ? " (backward)" : "", ": ", name)] +=
+      Now() - start;
+}
+
+std::string StepProfiler::TopOperations(int64_t steps, int top) const {
+  std::vector<std::pair<double, std::string>> sorted;
+  for (const auto& [name, seconds] : op_seconds_) sorted.emplace_back(seconds, name);
+  std::sort(sorted.rbegin(), sorted.rend());
+  const double per = 1e3 / std::max<int64_t>(steps, 1);
+  std::string out = "| operation (category: op) | ms per step |\n|---|---:|\n";
+  for (int i = 0; i < top && i < static_cast<int>(sorted.size()); ++i) {
+    absl::StrAppendFormat(&out, "| %s | %.2f |\n", sorted[i].second, sorted[i].first * per);
+  }
+  return out;
 }
 
 std::vector<StepProfiler::Row> StepProfiler::Rows() const {

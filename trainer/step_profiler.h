@@ -20,7 +20,9 @@ namespace himoe::trainer {
 // costs nothing when off. One at a time per process.
 class StepProfiler {
  public:
-  static absl::StatusOr<std::unique_ptr<StepProfiler>> Start();
+  // `with_ops` also times each outermost LibTorch op (TopOperations), at a
+  // cost of a callback per op that slows the step itself.
+  static absl::StatusOr<std::unique_ptr<StepProfiler>> Start(bool with_ops = false);
   ~StepProfiler();
 
   // Time is charged between BeginStep and EndStep only (not to evaluation).
@@ -37,12 +39,18 @@ class StepProfiler {
   // A Markdown table of milliseconds per step over `steps` steps, with each
   // category's share of the total.
   std::string Table(int64_t steps) const;
+  // The `top` most expensive operations (outermost LibTorch ops and autograd
+  // nodes, with their category), milliseconds per step.
+  std::string TopOperations(int64_t steps, int top) const;
 
   // For the RecordFunction callbacks.
   void OnScopeStart(const std::string& category);
   void OnScopeEnd();
   void OnBackwardStart(int64_t sequence_nr);
   void OnBackwardEnd();
+  void OnOpStart(const char* name);
+  void OnOpEnd();
+  bool with_ops() const { return with_ops_; }
   bool owns_this_thread() const { return std::this_thread::get_id() == owner_; }
 
  private:
@@ -60,12 +68,17 @@ class StepProfiler {
   uint64_t handle_ = 0;
   double last_ = 0;
   bool charging_ = false;
+  bool with_ops_ = false;
   std::vector<Open> open_;
   int backward_depth_ = 0;
   // From this sequence number on (until the next key) forward nodes belong to
   // the category.
   std::map<int64_t, std::string> categories_by_sequence_;
   std::map<std::string, Row> rows_;
+  // Outermost operations: (name, start time) while open, then seconds by
+  // "category: name".
+  std::vector<std::pair<std::string, double>> ops_open_;
+  std::map<std::string, double> op_seconds_;
 };
 
 }  // namespace himoe::trainer

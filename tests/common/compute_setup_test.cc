@@ -70,7 +70,9 @@ TEST(ComputeSetupTest, ProbedKernelsAreNotGenericAndProductsStayCorrect) {
   ASSERT_TRUE(setup.ok()) << setup.status();
   std::cout << setup->Summary() << std::endl;
   EXPECT_EQ(setup->threads, 2);
+  EXPECT_EQ(setup->gemm_threads, 2);
   EXPECT_GT(setup->gemm_gflops, 0);
+  EXPECT_THAT(setup->Summary(), HasSubstr("GFLOP/s on 2 threads"));
   ExpectMatmulMatchesHandSums();
   if (!IsBlis(*setup)) GTEST_SKIP() << "the system BLAS is " << setup->blas << ", not BLIS";
   ASSERT_THAT(setup->kernels_source, ::testing::AnyOf("library", "probed"));
@@ -103,6 +105,21 @@ TEST(ComputeSetupTest, ForcedGenericKernelsAreNamedAndWarnedAbout) {
   EXPECT_TRUE(setup->probes.empty());
   EXPECT_EQ(setup->gemm_gflops, 0);  // -1: not measured
   EXPECT_THAT(setup->Warnings(), Contains(HasSubstr("'generic' kernels")));
+  ExpectMatmulMatchesHandSums();
+}
+
+// A coordinator with 1 thread that leaves a core to its expert processes
+// measures the rate of both cores, in a child process.
+TEST(ComputeSetupTest, TheGemmRateMayUseMoreThreadsThanTheProcess) {
+  ComputeOptions options;
+  options.threads = 1;
+  options.gemm_threads = 2;
+  auto setup = ConfigureCompute(options);
+  ASSERT_TRUE(setup.ok()) << setup.status();
+  EXPECT_EQ(setup->threads, 1);
+  EXPECT_EQ(setup->gemm_threads, 2);
+  EXPECT_GT(setup->gemm_gflops, 0);
+  EXPECT_EQ(at::get_num_threads(), 1);
   ExpectMatmulMatchesHandSums();
 }
 
