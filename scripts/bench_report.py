@@ -59,14 +59,18 @@ def main():
     args = ap.parse_args()
     r = {name: load(os.path.join(args.out, name)) for name in args.runs}
     first = r[args.runs[0]]["compute"]
+    rates = {}
+    for x in r.values():
+        rates.setdefault(x["compute"]["gemm_threads"], []).append(x["gemm"])
     cores = os.cpu_count()
     lines = [
         f"Measured {datetime.date.today().isoformat()} on {cpu_model()}, {cores} cores; "
         f"{first['blas']}, kernels '{first['kernels']}' ({first['kernels_source']}); "
         "MFU is against the GEMM rate each run measures at its start on the cores it uses "
         "(its threads in process; all cores with expert processes): "
-        + ", ".join(sorted({f"{x['compute']['gemm_threads']} threads "
-                            f"{x['gemm']:.0f}" for x in r.values()})) + " GFLOP/s.",
+        + "; ".join(
+            f"{t} thread{'s' if t > 1 else ''} {min(g):.0f}-{max(g):.0f} GFLOP/s"
+            for t, g in sorted(rates.items())) + ".",
         "",
         "| config | experts | threads | tokens/s | model GFLOP/s | MFU | remote / in-process "
         "| 2 / 1 threads | peak RSS coordinator | peak RSS per expert process |",
