@@ -1,6 +1,7 @@
 #include "common/compute_setup.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <link.h>
 #include <poll.h>
@@ -303,7 +304,10 @@ std::string BlisKernelName(const std::string& value) {
 
 // BLIS's pthreads build starts threads on every call, which can cost more
 // than it gains on the small products of a training step: keep `threads` BLAS
-// threads only where they beat one thread on such a product.
+// threads only where they beat one thread on such a product. (The OpenMP
+// build keeps them: 1.9x on 2 threads here. Its children could not be forked
+// anyway: OpenMP hangs in a child forked after the parent used it.) The
+// children run LibTorch on 1 thread, so no OpenMP either.
 void SelectBlisThreads(ComputeSetup& setup) {
   setup.blas_threads = setup.threads;
   if (setup.threads <= 1) return;
@@ -311,7 +315,7 @@ void SelectBlisThreads(ComputeSetup& setup) {
     std::string error;
     const char* kernels = std::getenv(kArchEnv);
     return ParseProbe(InChild(kernels ? kernels : "", blas_threads,
-                              [&] { return RunGemmProbe(setup.threads, 2048, 128, 512, 0.05); }),
+                              [&] { return RunGemmProbe(1, 2048, 128, 512, 0.05); }),
                       &error);
   };
   setup.blas_thread_gflops = {rate(1), rate(setup.threads)};
@@ -320,6 +324,63 @@ void SelectBlisThreads(ComputeSetup& setup) {
     setenv("BLIS_NUM_THREADS", "1", 1);
   }
 }
+
+constexpr double kGemmRateSeconds = 0.3;
+constexpr char kGemmProbeEnv[] = "HIMOE_GEMM_RATE_PROBE";
+
+// The GEMM rate on other thread counts than this process's needs a process
+// whose OpenMP and BLIS start fresh: this program, started again with
+// HIMOE_GEMM_RATE_PROBE="<threads> <fd>", answers on fd <fd> from a static
+// initializer (RunGemmRateProbeIfAsked) and exits before main.
+absl::StatusOr<double> GemmRateInFreshProcess(int threads, int blas_threads) {
+  int fds[2];
+  if (pipe(fds) != 0) return absl::InternalError("GEMM rate probe: pipe failed");
+  fcntl(fds[0], F_SETFD, FD_CLOEXEC);
+  const std::string request = absl::StrCat(threads, " ", fds[1]);
+  const pid_t pid = fork();
+  if (pid < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    return absl::InternalError("GEMM rate probe: fork failed");
+  }
+  if (pid == 0) {
+    setenv(kGemmProbeEnv, request.c_str(), 1);
+    setenv("BLIS_NUM_THREADS", std::to_string(blas_threads).c_str(), 1);
+    char self[] = "/proc/self/exe";
+    char* argv[] = {self, nullptr};
+    execv(self, argv);
+    _exit(127);
+  }
+  close(fds[1]);
+  std::string answer;
+  char buffer[256];
+  ssize_t n;
+  while ((n = read(fds[0], buffer, sizeof(buffer))) > 0) answer.append(buffer, n);
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  std::string error;
+  const double gflops = ParseProbe(answer.empty() ? "ERR no answer" : answer, &error);
+  if (!error.empty()) return absl::InternalError(absl::StrCat("GEMM rate probe: ", error));
+  return gflops;
+}
+
+bool RunGemmRateProbeIfAsked() {
+  const char* request = std::getenv(kGemmProbeEnv);
+  if (request == nullptr) return false;
+  int threads = 0, fd = -1;
+  const std::vector<std::string> parts = absl::StrSplit(request, ' ');
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &threads) ||
+      !absl::SimpleAtoi(parts[1], &fd)) {
+    _exit(2);
+  }
+  const std::string answer = RunGemmProbe(threads, 1024, 1024, 1024, kGemmRateSeconds);
+  ssize_t ignored = write(fd, answer.data(), answer.size());
+  (void)ignored;
+  _exit(0);
+}
+
+[[maybe_unused]] const bool kGemmRateProbeChild = RunGemmRateProbeIfAsked();
 
 }  // namespace
 
@@ -369,24 +430,23 @@ absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options) {
     } else {
       SelectBlisKernels(options.probe_kernels, setup);
     }
-    if (options.probe_kernels) SelectBlisThreads(setup);
+    if (options.probe_kernels && library.blis_threading == "pthread") SelectBlisThreads(setup);
   }
   setup.gemm_threads = options.gemm_threads > 0 ? options.gemm_threads : setup.threads;
   if (options.gemm_gflops > 0) {
     setup.gemm_gflops = options.gemm_gflops;
+  } else if (options.gemm_gflops == 0 && setup.gemm_threads == setup.threads) {
+    HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+      setup.gemm_gflops =
+          TimeGemm(ProbeMatrix(1024, 1024), ProbeMatrix(1024, 1024), kGemmRateSeconds);
+      return absl::OkStatus();
+    }));
   } else if (options.gemm_gflops == 0) {
-    // In a child, so that it may use other thread counts than this process.
-    const char* kernels = std::getenv(kArchEnv);
-    std::string error;
-    const int threads = setup.gemm_threads;
-    const int blas_threads = setup.blas_threads < setup.threads ? 1 : threads;
-    setup.gemm_gflops = ParseProbe(
-        InChild(kernels ? kernels : "", blas_threads,
-                [&] { return RunGemmProbe(threads, 1024, 1024, 1024, 0.3); }),
-        &error);
-    if (!error.empty()) {
-      return absl::InternalError(absl::StrCat("GEMM rate probe: ", error));
-    }
+    HIMOE_ASSIGN_OR_RETURN(setup.gemm_gflops,
+                           GemmRateInFreshProcess(setup.gemm_threads,
+                                                  setup.blas_threads < setup.threads
+                                                      ? 1
+                                                      : setup.gemm_threads));
   }
   setup.vector_peak_gflops = VectorPeakGflops(setup.gemm_threads);
   return setup;
@@ -395,6 +455,16 @@ absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options) {
 void LogComputeSetup(const ComputeSetup& setup) {
   LOG(INFO) << setup.Summary();
   for (const std::string& warning : setup.Warnings()) LOG(WARNING) << warning;
+}
+
+absl::Status ConfigureServingCompute(int threads, bool probe_kernels) {
+  ComputeOptions options;
+  options.threads = threads;
+  options.probe_kernels = probe_kernels;
+  options.gemm_gflops = -1;
+  HIMOE_ASSIGN_OR_RETURN(const ComputeSetup setup, ConfigureCompute(options));
+  LogComputeSetup(setup);
+  return absl::OkStatus();
 }
 
 std::string ComputeSetup::Summary() const {

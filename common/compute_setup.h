@@ -62,6 +62,10 @@ absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options);
 // Summary() at INFO, each warning at WARNING.
 void LogComputeSetup(const ComputeSetup& setup);
 
+// The serving binaries' set-up: ConfigureCompute without the GEMM-rate
+// probe, logged.
+absl::Status ConfigureServingCompute(int threads, bool probe_kernels);
+
 // Kernel sets this CPU can run, fastest family first (BLIS names).
 std::vector<std::string> CandidateBlisKernels();
 

@@ -120,12 +120,8 @@ void LogServing(ExpertServer& server, const ExpertServerOptions& options) {
 }
 
 absl::Status Run() {
-  ComputeOptions compute_options;
-  compute_options.threads = absl::GetFlag(FLAGS_threads);
-  compute_options.probe_kernels = absl::GetFlag(FLAGS_blas_probe);
-  compute_options.gemm_gflops = -1;
-  HIMOE_ASSIGN_OR_RETURN(const ComputeSetup compute, ConfigureCompute(compute_options));
-  LogComputeSetup(compute);
+  HIMOE_RETURN_IF_ERROR(
+      ConfigureServingCompute(absl::GetFlag(FLAGS_threads), absl::GetFlag(FLAGS_blas_probe)));
   HIMOE_ASSIGN_OR_RETURN(const ExpertServerOptions options, OptionsFromFlags());
   HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<ExpertServer> server, ExpertServer::Start(options));
   LogServing(*server, options);

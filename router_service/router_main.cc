@@ -109,12 +109,8 @@ absl::Status ServeCheckpoint(const v1::ClusterConfig& cluster,
 }
 
 absl::Status Run() {
-  ComputeOptions compute_options;
-  compute_options.threads = absl::GetFlag(FLAGS_threads);
-  compute_options.probe_kernels = absl::GetFlag(FLAGS_blas_probe);
-  compute_options.gemm_gflops = -1;
-  HIMOE_ASSIGN_OR_RETURN(const ComputeSetup compute, ConfigureCompute(compute_options));
-  LogComputeSetup(compute);
+  HIMOE_RETURN_IF_ERROR(
+      ConfigureServingCompute(absl::GetFlag(FLAGS_threads), absl::GetFlag(FLAGS_blas_probe)));
   if (absl::GetFlag(FLAGS_cluster).empty()) {
     return absl::InvalidArgumentError("--cluster is required (see --help)");
   }

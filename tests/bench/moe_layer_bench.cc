@@ -348,12 +348,8 @@ class CapturingReporter : public benchmark::ConsoleReporter {
 };
 
 absl::Status Run() {
-  ComputeOptions compute_options;
-  compute_options.threads = absl::GetFlag(FLAGS_threads);
-  compute_options.probe_kernels = absl::GetFlag(FLAGS_blas_probe);
-  compute_options.gemm_gflops = -1;
-  HIMOE_ASSIGN_OR_RETURN(const ComputeSetup compute, ConfigureCompute(compute_options));
-  LogComputeSetup(compute);
+  HIMOE_RETURN_IF_ERROR(
+      ConfigureServingCompute(absl::GetFlag(FLAGS_threads), absl::GetFlag(FLAGS_blas_probe)));
   const int cores = DefaultThreadCount();
   const int64_t tokens = absl::GetFlag(FLAGS_tokens);
   const int64_t d = absl::GetFlag(FLAGS_d_model);
