@@ -15,11 +15,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
-#include <map>
-#include <utility>
 #include <functional>
-#include <sstream>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>

@@ -36,15 +36,17 @@ struct KernelProbe {
 struct ComputeSetup {
   int threads = 1;
   int blas_threads = 1;
-  std::string blas;            // e.g. "BLIS 0.9.0 (openmp)"
+  std::string blas;            // e.g. "BLIS (openmp)"
   std::string kernels;         // the kernel set in use, e.g. "skx"
   std::string kernels_source;  // "probed", "BLIS_ARCH_TYPE", "library"
   std::vector<KernelProbe> probes;
-  // A [2048,128]x[128,512] product with 1 and with `threads` BLAS threads.
+  // A [2048,128]x[128,512] product with 1 and with `threads` BLAS threads;
+  // timed for BLIS's pthreads build only.
   std::vector<double> blas_thread_gflops;
   double gemm_gflops = 0;         // large fp32 GEMMs on `gemm_threads` threads
   int gemm_threads = 1;
-  double vector_peak_gflops = 0;  // what the CPU's vector units promise; 0 if unknown
+  // The vector units' peak at the clock /proc/cpuinfo reports; 0 if unknown.
+  double vector_peak_gflops = 0;
 
   // One line for the log.
   std::string Summary() const;

@@ -23,7 +23,8 @@ test -f "${out}/run/checkpoints/step_00000006/MANIFEST"
 grep -q "compute: .* threads (BLAS .*), .*GEMM rate" "${log}"
 grep -q "| MFU [0-9]*% |" "${log}"
 grep -q '"kind":"compute".*"gemm_gflops":[1-9]' "${out}/run/metrics.jsonl"
-grep '"kind":"train"' "${out}/run/metrics.jsonl" | tail -1 | grep -q '"mfu":0\.[0-9]'
+# (MFU may exceed 1 when the start-up GEMM probe ran on a loaded machine.)
+grep '"kind":"train"' "${out}/run/metrics.jsonl" | tail -1 | grep -Eq '"mfu":([1-9]|0\.[0-9]*[1-9])'
 grep -q '"kind":"memory","coordinator_peak_rss_mib":[1-9][0-9.]*,"expert_peak_rss_mib":\[[1-9][0-9.]*,[1-9][0-9.]*,[1-9][0-9.]*,[1-9][0-9.]*\]' \
   "${out}/run/metrics.jsonl"
 grep -q "peak RSS: coordinator [0-9]* MiB, expert processes [0-9]*, [0-9]*, [0-9]*, [0-9]* MiB" "${log}"
