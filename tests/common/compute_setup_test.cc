@@ -91,7 +91,9 @@ TEST(ComputeSetupTest, ProbedKernelsAreNotGenericAndProductsStayCorrect) {
   // OpenMP build keeps the threads.
   const bool pthreads = setup->blas.find("pthread") != std::string::npos;
   EXPECT_THAT(setup->blas_thread_gflops, ::testing::SizeIs(pthreads ? 2 : 0));
-  if (!pthreads) EXPECT_EQ(setup->blas_threads, 2);
+  if (!pthreads) {
+    EXPECT_EQ(setup->blas_threads, 2);
+  }
 }
 
 // BLIS_ARCH_TYPE from the environment wins, is named, and 'generic' warns.

@@ -20,7 +20,7 @@ using testing::ToTensor;
 std::vector<double> Vec(const at::Tensor& t) { return ToNested<double>(t.unsqueeze(0))[0]; }
 
 BalanceState Fresh(int n, double rate) {
-  return {at::zeros({n}), at::zeros({n}), at::full({n}, rate), at::zeros({n})};
+  return {at::zeros({n}), at::zeros({n}), at::full({n}, rate), at::zeros({n}), at::zeros({1})};
 }
 
 TEST(BalanceControllerTest, UpdateIsProjectedDualAscentOnTheBand) {
