@@ -193,6 +193,9 @@ absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // One process per port: with SO_REUSEPORT a second server on a taken port
+  // would share its connections.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(JoinHostPort(listen.host, listen.port),
                            grpc::InsecureServerCredentials(), &server->port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);

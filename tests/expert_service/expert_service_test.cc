@@ -533,6 +533,20 @@ TEST_F(ExpertServiceTest, ReflectionListsTheServices) {
   EXPECT_THAT(call.reply(), HasSubstr("grpc.health.v1.Health"));
 }
 
+// A second server on a port already served is refused: with SO_REUSEPORT the
+// kernel would split connections between the two processes, and a router
+// would get answers from whichever group happened to take the port.
+TEST_F(ExpertServiceTest, APortAlreadyServedIsRefused) {
+  ExpertServerOptions options;
+  options.core = CoreOptions();
+  options.address = server_->address();
+  auto second = ExpertServer::Start(options);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(second.status().message()),
+              HasSubstr("cannot listen on '" + server_->address() + "'"));
+}
+
 TEST(ExpertServiceCoreTest, Bf16GroupAnswersInTheRequestDtype) {
   auto core = ExpertServiceCore::Create(CoreOptions(kSeed, v1::DTYPE_BFLOAT16));
   ASSERT_TRUE(core.ok()) << core.status();

@@ -237,7 +237,8 @@ TEST_F(RouterServiceTest, BadInputIsInvalidArgumentAndServerKeepsServing) {
 TEST_F(RouterServiceTest, DeadGroupIsUnavailableNamingItThenRecovers) {
   StartRouter(Options(RoutingMethod::kHiMoe));
   const at::Tensor x = at::randn({32, kD});  // himoe: every group gets rows
-  ASSERT_TRUE(Route(0, x).ok());
+  const auto before = Route(0, x);
+  ASSERT_TRUE(before.ok()) << before.status();
   const int port = experts_[2]->port();
   experts_[2].reset();  // kill group 2
   auto down = Route(0, x);
@@ -267,6 +268,20 @@ TEST_F(RouterServiceTest, FailsOverToReplica) {
   auto got = Route(0, x);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_LE(MaxAbsDiff(Output(*got), Reference(o.moe.routing, 0, x).output), 1e-5);
+}
+
+TEST_F(RouterServiceTest, APortAlreadyServedIsRefused) {
+  StartRouter(Options(RoutingMethod::kHiMoe));
+  RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+  o.address = Loopback(router_->port());
+  auto second = RouterServer::Start(o);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(second.status().message()),
+              HasSubstr("cannot listen on " + Loopback(router_->port())));
+  // An expert service's port is refused to the router too.
+  o.address = Loopback(experts_[0]->port());
+  EXPECT_EQ(RouterServer::Start(o).status().code(), absl::StatusCode::kUnavailable);
 }
 
 // A group (here a replica) serving experts of another seed would answer with
@@ -309,6 +324,7 @@ class StallingExpert final : public v1::ExpertService::CallbackService {
 TEST_F(RouterServiceTest, SlowGroupIsDeadlineExceededNamingIt) {
   StallingExpert stalling;
   grpc::ServerBuilder builder;
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&stalling);
