@@ -154,13 +154,26 @@ absl::Status ExpertGroupClient::CheckInfo(const v1::ExpertShape& expected) {
                           absl::StrCat(where, " (group ", options_.group_id, ")"));
 }
 
-absl::StatusOr<v1::ExpertAbortResponse> ExpertGroupClient::Abort(uint64_t step) {
+absl::StatusOr<v1::ExpertAbortResponse> ExpertGroupClient::Abort(uint64_t step,
+                                                                 const std::string& run_id) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
   v1::ExpertAbortRequest request;
   request.set_step(step);
+  request.set_run_id(run_id);
   v1::ExpertAbortResponse response;
   const grpc::Status status = stubs_[0]->Abort(&context, request, &response);
+  if (!status.ok()) return Named(status, 0);
+  return response;
+}
+
+absl::StatusOr<v1::BeginRunResponse> ExpertGroupClient::BeginRun(const std::string& run_id) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  v1::BeginRunRequest request;
+  request.set_run_id(run_id);
+  v1::BeginRunResponse response;
+  const grpc::Status status = stubs_[0]->BeginRun(&context, request, &response);
   if (!status.ok()) return Named(status, 0);
   return response;
 }

@@ -164,6 +164,14 @@ grpc::ServerUnaryReactor* ExpertGrpcService::Abort(grpc::CallbackServerContext* 
   return reactor;
 }
 
+grpc::ServerUnaryReactor* ExpertGrpcService::BeginRun(grpc::CallbackServerContext* context,
+                                                      const v1::BeginRunRequest* request,
+                                                      v1::BeginRunResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(core_->BeginRun(*request, response)));
+  return reactor;
+}
+
 grpc::ServerWriteReactor<v1::StateChunk>* ExpertGrpcService::GetState(
     grpc::CallbackServerContext*, const v1::GetStateRequest* request) {
   return new GetStateReactor(*core_, *request, max_chunk_bytes_);

@@ -37,6 +37,9 @@ class ExpertGrpcService final : public v1::ExpertService::CallbackService {
   grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
                                   const v1::ExpertAbortRequest* request,
                                   v1::ExpertAbortResponse* response) override;
+  grpc::ServerUnaryReactor* BeginRun(grpc::CallbackServerContext* context,
+                                     const v1::BeginRunRequest* request,
+                                     v1::BeginRunResponse* response) override;
   grpc::ServerWriteReactor<v1::StateChunk>* GetState(
       grpc::CallbackServerContext* context,
       const v1::GetStateRequest* request) override;

@@ -140,6 +140,12 @@ absl::StatusOr<OptimizerStepResult> ExpertOptimizer::Step(const StepOptions& o) 
   return result;
 }
 
+void ExpertOptimizer::Reset() {
+  ZeroGrad();
+  adamw_->state().clear();
+  last_applied_step_ = 0;
+}
+
 void ExpertOptimizer::ZeroGrad() {
   for (const Param& p : params_) {
     if (p.tensor.grad().defined()) p.tensor.grad().detach().zero_();

@@ -66,6 +66,10 @@ class ExpertOptimizer {
   // Zeroes every defined grad in place.
   void ZeroGrad();
 
+  // Forgets every AdamW moment and step count, zeroes the grads, and sets
+  // last_applied_step to 0: the optimizer as Create left it.
+  void Reset();
+
   uint64_t last_applied_step() const { return last_applied_step_; }
 
   // CPU copies: "layer<L>.<w1|b1|w2|b2>.<exp_avg|exp_avg_sq|step>" for each

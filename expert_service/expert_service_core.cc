@@ -71,6 +71,8 @@ ExpertServiceInfo ExpertServiceCore::Info() const {
   info.version = kExpertServiceVersion;
   info.pending_saved = pending_saved();
   info.last_applied_step = last_applied_step();
+  std::shared_lock<std::shared_mutex> lock(state_mutex_);
+  info.run_id = run_id_;
   return info;
 }
 
@@ -91,6 +93,7 @@ void ExpertServiceCore::FillInfo(v1::ExpertInfoResponse* response) const {
   response->set_pending_saved(info.pending_saved);
   response->set_last_applied_step(info.last_applied_step);
   *response->mutable_shape() = info.shape;
+  response->set_run_id(info.run_id);
 }
 
 int64_t ExpertServiceCore::pending_saved() const { return saved_.size(); }
@@ -194,6 +197,7 @@ absl::Status ExpertServiceCore::ComputeForward(const v1::ExpertForwardRequest& r
   const bool save = saved != nullptr;
   const int n_inputs = static_cast<int>(rows.size());
   std::shared_lock<std::shared_mutex> lock(state_mutex_);
+  if (save) HIMOE_RETURN_IF_ERROR(CheckRun("Forward", request.step(), request.run_id()));
   return CatchTorchErrors([&]() -> absl::Status {
     // With grad for a later Backward; the rows become one leaf.
     at::AutoGradMode grad_mode(save);
@@ -235,6 +239,13 @@ absl::Status ExpertServiceCore::Backward(const v1::ExpertBackwardRequest& reques
   response->Clear();
   const SavedKey key{request.step(), request.micro_batch(), request.layer(),
                      request.request_id()};
+  {
+    // Before Take: another run's Backward must not consume this run's state.
+    // A BeginRun after this check changes weights_version, which RunBackward
+    // checks.
+    std::shared_lock<std::shared_mutex> lock(state_mutex_);
+    HIMOE_RETURN_IF_ERROR(CheckRun("Backward", request.step(), request.run_id()));
+  }
   HIMOE_ASSIGN_OR_RETURN(SavedForward saved, saved_.Take(key));
   // `saved` (and its graph) is freed on every path out of here.
   absl::Status status = BackwardImpl(key, saved, request, response);
@@ -331,6 +342,7 @@ absl::Status ExpertServiceCore::Step(const v1::ExpertStepRequest& request,
   options.beta2 = request.beta2();
   options.eps = request.eps();
   std::unique_lock<std::shared_mutex> lock(state_mutex_);
+  HIMOE_RETURN_IF_ERROR(CheckRun("Step", request.step(), request.run_id()));
   HIMOE_ASSIGN_OR_RETURN(const OptimizerStepResult result, optimizer_->Step(options));
   last_applied_step_.store(result.last_applied_step, std::memory_order_relaxed);
   if (result.applied) weights_version_.fetch_add(1, std::memory_order_relaxed);
@@ -345,10 +357,55 @@ absl::Status ExpertServiceCore::Abort(const v1::ExpertAbortRequest& request,
                                       v1::ExpertAbortResponse* response) {
   response->Clear();
   saved_.SweepExpired();
+  std::unique_lock<std::shared_mutex> lock(state_mutex_);
+  HIMOE_RETURN_IF_ERROR(CheckRun("Abort", request.step(), request.run_id()));
   response->set_freed(saved_.Abort(request.step()));
   // The failed step's finished Backwards left gradients; a retry starts clean.
-  std::unique_lock<std::shared_mutex> lock(state_mutex_);
   optimizer_->ZeroGrad();
+  return absl::OkStatus();
+}
+
+absl::Status ExpertServiceCore::CheckRun(const char* rpc, uint64_t step,
+                                         const std::string& run_id) const {
+  if (run_id == run_id_) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "run_id: ", rpc, " of step ", step, " belongs to run '", run_id,
+      "', but this group serves run '", run_id_,
+      "' (begun since by another trainer, or never begun)"));
+}
+
+absl::Status ExpertServiceCore::BeginRun(const v1::BeginRunRequest& request,
+                                         v1::BeginRunResponse* response) {
+  response->Clear();
+  constexpr size_t kMaxRunId = 128;
+  if (request.run_id().empty() || request.run_id().size() > kMaxRunId) {
+    return absl::InvalidArgumentError(absl::StrCat("run_id: ", request.run_id().size(),
+                                                   " bytes; expected 1 to ", kMaxRunId));
+  }
+  // The seed's weights, built before taking the lock.
+  std::vector<std::unique_ptr<ExpertGroup>> fresh;
+  for (int layer = 0; layer < num_layers(); ++layer) {
+    HIMOE_ASSIGN_OR_RETURN(auto group, ExpertGroup::Create(options_.shape, options_.group_id,
+                                                           layer, options_.device));
+    fresh.push_back(std::move(group));
+  }
+  std::unique_lock<std::shared_mutex> lock(state_mutex_);
+  response->set_previous_run_id(run_id_);
+  response->set_previous_last_applied_step(last_applied_step());
+  response->set_freed(saved_.Abort(0));
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    at::NoGradGuard no_grad;
+    for (int layer = 0; layer < num_layers(); ++layer) {
+      for (const auto& [name, tensor] : fresh[layer]->named_parameters()) {
+        parameters_.at(absl::StrCat("layer", layer, ".", name)).copy_(tensor);
+      }
+    }
+    optimizer_->Reset();
+    return absl::OkStatus();
+  }));
+  last_applied_step_.store(0, std::memory_order_relaxed);
+  weights_version_.fetch_add(1, std::memory_order_relaxed);
+  run_id_ = request.run_id();
   return absl::OkStatus();
 }
 

@@ -50,6 +50,7 @@ struct ExpertServiceInfo {
   std::string version;
   int64_t pending_saved = 0;  // saved Forward states awaiting Backward
   uint64_t last_applied_step = 0;
+  std::string run_id;  // the training run begun last; empty before any
 };
 
 struct ExpertServiceCounters {
@@ -85,7 +86,8 @@ class ExpertServiceCore {
   // ALREADY_EXISTS.
   absl::Status Forward(const v1::ExpertForwardRequest& request,
                        v1::ExpertForwardResponse* response);
-  // Consumes the saved Forward (NOT_FOUND if there is none): checks that the
+  // Consumes the saved Forward (NOT_FOUND if there is none; another run's
+  // Backward is FAILED_PRECONDITION and consumes nothing): checks that the
   // output grads match its outputs, accumulates the parameter grads, returns
   // the input grads in the dtype of each output grad. FAILED_PRECONDITION if
   // a Step or SetState changed the weights since that Forward. The saved
@@ -99,6 +101,9 @@ class ExpertServiceCore {
   // Drops the saved Forward states of request.step (all of them when 0).
   absl::Status Abort(const v1::ExpertAbortRequest& request,
                      v1::ExpertAbortResponse* response);
+  // Starts run request.run_id: weights back to the seed's, optimizer state
+  // and grads zeroed, saved Forwards dropped, last_applied_step 0.
+  absl::Status BeginRun(const v1::BeginRunRequest& request, v1::BeginRunResponse* response);
 
   // Saved Forward states awaiting Backward (no sweep).
   int64_t pending_saved() const;
@@ -152,6 +157,9 @@ class ExpertServiceCore {
   absl::StatusOr<at::Tensor> RunBackward(const SavedKey& key, SavedForward& saved,
                                          const std::vector<at::Tensor>& grads);
   int num_layers() const { return options_.shape.num_layers(); }
+  // Caller holds state_mutex_ (either side): OK if `run_id` is the run begun
+  // last.
+  absl::Status CheckRun(const char* rpc, uint64_t step, const std::string& run_id) const;
 
   ExpertServiceOptions options_;
   c10::ScalarType dtype_;  // of the experts, from the shape
@@ -168,6 +176,7 @@ class ExpertServiceCore {
   // Bookkeeping only, so Info (const) sweeps it too.
   mutable SavedForwardStore saved_;
   std::atomic<uint64_t> last_applied_step_{0};
+  std::string run_id_;  // guarded by state_mutex_
   // Bumped (under the writer lock) whenever Step or SetState changes weights:
   // a saved Forward from before cannot be differentiated any more.
   std::atomic<uint64_t> weights_version_{0};

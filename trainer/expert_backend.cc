@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 
+#include <glog/logging.h>
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
@@ -167,6 +168,17 @@ class RemoteBackend final : public ExpertBackend {
       HIMOE_RETURN_IF_ERROR(client->CheckInfo(o.shape));
       b->clients_.push_back(std::move(client));
     }
+    if (!o.run_id.empty()) {
+      for (const auto& client : b->clients_) {
+        HIMOE_ASSIGN_OR_RETURN(const v1::BeginRunResponse begun, client->BeginRun(o.run_id));
+        if (!begun.previous_run_id().empty() || begun.freed() > 0) {
+          LOG(INFO) << "expert group " << client->group_id() << ": run " << o.run_id
+                    << " replaces run '" << begun.previous_run_id() << "' (last applied step "
+                    << begun.previous_last_applied_step() << ", " << begun.freed()
+                    << " saved Forwards dropped); experts back to their seed weights";
+        }
+      }
+    }
     return std::unique_ptr<ExpertBackend>(std::move(b));
   }
 
@@ -204,9 +216,20 @@ class RemoteBackend final : public ExpertBackend {
       r.set_beta1(h.beta1);
       r.set_beta2(h.beta2);
       r.set_eps(h.eps);
+      r.set_run_id(options_.run_id);
     }
     std::vector<v1::ExpertStepResponse> responses(clients_.size());
-    return SendSteps(requests, &responses);
+    HIMOE_RETURN_IF_ERROR(SendSteps(requests, &responses));
+    for (size_t g = 0; g < responses.size(); ++g) {
+      const v1::ExpertStepResponse& r = responses[g];
+      // Not applied now is fine only for a retry of a step already applied.
+      if (!r.applied() && r.last_applied_step() != step) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "expert group ", g, " did not apply step ", step, " (its last applied step is ",
+            r.last_applied_step(), ")"));
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Abort(uint64_t step) override {
@@ -218,7 +241,7 @@ class RemoteBackend final : public ExpertBackend {
     }
     absl::Status first;
     for (const auto& c : clients_) {
-      const absl::Status s = c->Abort(step).status();
+      const absl::Status s = c->Abort(step, options_.run_id).status();
       if (!s.ok() && first.ok()) first = s;
     }
     return first;
@@ -373,6 +396,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
       r.set_micro_batch(call.micro_batch);
       r.set_request_id(next_request_id_.fetch_add(1));
       r.set_save_for_backward(save);
+      if (save) r.set_run_id(options_.run_id);
       const at::Tensor cpu_ids = ids[i].to(at::kCPU).contiguous();
       const std::vector<int64_t> experts(cpu_ids.data_ptr<int64_t>(),
                                          cpu_ids.data_ptr<int64_t>() + cpu_ids.numel());
@@ -417,6 +441,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
       r.set_step(f.step());
       r.set_micro_batch(f.micro_batch());
       r.set_request_id(f.request_id());
+      r.set_run_id(f.run_id());
       const at::Tensor g = grads[i].defined() ? grads[i].to(at::kFloat).contiguous()
                                               : at::Tensor();
       int64_t row = 0;

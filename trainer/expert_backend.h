@@ -39,7 +39,8 @@ class ExpertBackend {
   // Sum over every expert shard of ||grad||^2.
   virtual absl::StatusOr<double> GradNormSquared() = 0;
   // AdamW on every shard with the gradients scaled by `grad_scale` (the global
-  // clip scale). Idempotent per step id.
+  // clip scale). Idempotent per step id: a retried step is not applied twice,
+  // and a group that did not apply it (nor had already) is an error.
   virtual absl::Status Step(uint64_t step, const AdamWHyper& hyper, double grad_scale) = 0;
   // Drops whatever a failed step left behind.
   virtual absl::Status Abort(uint64_t step) = 0;
@@ -57,6 +58,10 @@ struct ExpertBackendOptions {
   // Remote only: one address per group.
   std::vector<std::string> addresses;
   std::chrono::milliseconds deadline{60000};
+  // Remote only: when set, Create begins this training run on every group
+  // (BeginRun: seed weights, zero optimizer state, no saved Forwards) and
+  // every Step carries it. Empty: no run is begun (serving, Generate).
+  std::string run_id;
   // Remote only: called with (group, RPC name, seconds) after every
   // Forward/Backward/Step call, from gRPC threads.
   std::function<void(int, const std::string&, double)> on_rpc;
@@ -67,7 +72,8 @@ absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateInProcessBackend(
     const ExpertBackendOptions& options);
 
 // Groups on himoe-expert services; checks each service's Info against
-// options.shape (group id, sizes, seed, dtype) before returning.
+// options.shape (group id, sizes, seed, dtype), and begins options.run_id on
+// every group when it is set, before returning.
 absl::StatusOr<std::unique_ptr<ExpertBackend>> CreateRemoteBackend(
     const ExpertBackendOptions& options);
 

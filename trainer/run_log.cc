@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 
 #include <google/protobuf/util/json_util.h>
 #include <nlohmann/json.hpp>
@@ -88,10 +90,36 @@ WindowBalance Balance(const std::deque<StepResult>& steps) {
 
 absl::StatusOr<std::unique_ptr<RunLog>> RunLog::Create(const std::string& path,
                                                        int64_t total_steps, int window,
-                                                       bool append) {
-  std::ofstream out(path, append ? std::ios::app : std::ios::trunc);
+                                                       std::optional<int64_t> resumed_at) {
+  if (resumed_at.has_value()) {
+    std::string kept;
+    std::ifstream in(path, std::ios::binary);
+    for (std::string line; std::getline(in, line);) {
+      const Json rec = Json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (rec.is_object() && rec.contains("step") && rec["step"].is_number_integer()) {
+        const std::string kind = rec.value("kind", "");
+        const int64_t step = rec["step"].get<int64_t>();
+        if ((kind == "train" && step > *resumed_at) || (kind == "eval" && step >= *resumed_at)) {
+          continue;
+        }
+      }
+      absl::StrAppend(&kept, line, "\n");
+    }
+    // Written aside, then renamed: a crash here leaves the old file whole.
+    const std::string aside = path + ".resume";
+    {
+      std::ofstream out(aside, std::ios::binary | std::ios::trunc);
+      out << kept;
+      if (!out.flush()) return absl::UnavailableError(absl::StrCat("cannot write ", aside));
+    }
+    std::error_code ec;
+    std::filesystem::rename(aside, path, ec);
+    if (ec) return absl::UnavailableError(absl::StrCat("cannot replace ", path, ": ", ec.message()));
+  }
+  std::ofstream out(path, resumed_at.has_value() ? std::ios::app : std::ios::trunc);
   if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", path));
-  return std::unique_ptr<RunLog>(new RunLog(std::move(out), total_steps, window));
+  return std::unique_ptr<RunLog>(
+      new RunLog(std::move(out), total_steps, window, resumed_at.has_value()));
 }
 
 void RunLog::WriteLine(const std::string& json) {
@@ -105,7 +133,7 @@ void RunLog::OnConfig(const v1::RunConfig& config) {
   options.always_print_primitive_fields = true;
   std::string settings;
   if (!google::protobuf::util::MessageToJsonString(config, &settings, options).ok()) return;
-  Json line = {{"kind", "config"}};
+  Json line = {{"kind", resumed_ ? "resume" : "config"}};
   line.update(Json::parse(settings));
   WriteLine(line.dump());
 }

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <deque>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,13 +21,17 @@ namespace himoe::trainer {
 // progress line, and the final per-layer balance table.
 class RunLog {
  public:
-  // `append` keeps an existing file (a resumed run).
-  static absl::StatusOr<std::unique_ptr<RunLog>> Create(const std::string& jsonl_path,
-                                                        int64_t total_steps, int window,
-                                                        bool append = false);
+  // A new run truncates the file. A run resumed at checkpoint step
+  // `resumed_at` keeps the file up to that step: its "train" lines of later
+  // steps and its "eval" lines from that step on (the resumed run redoes
+  // them) are dropped, so no step is counted twice.
+  static absl::StatusOr<std::unique_ptr<RunLog>> Create(
+      const std::string& jsonl_path, int64_t total_steps, int window,
+      std::optional<int64_t> resumed_at = std::nullopt);
 
   // The run's settings (RunConfigFor): the JSON of `config` (proto field
-  // names) with "kind":"config".
+  // names) with "kind":"config", or "kind":"resume" in a resumed run (the
+  // file's first "config" line stays the run's).
   void OnConfig(const v1::RunConfig& config);
   // The compute set-up a throughput is read against ("kind":"compute").
   void OnCompute(const ComputeSetup& compute, double flops_per_token);
@@ -46,14 +51,15 @@ class RunLog {
   double last_val_loss() const { return last_val_loss_; }
 
  private:
-  RunLog(std::ofstream out, int64_t total_steps, int window)
-      : out_(std::move(out)), total_steps_(total_steps), window_(window) {}
+  RunLog(std::ofstream out, int64_t total_steps, int window, bool resumed)
+      : out_(std::move(out)), total_steps_(total_steps), window_(window), resumed_(resumed) {}
   // One line of metrics.jsonl, flushed.
   void WriteLine(const std::string& json);
 
   std::ofstream out_;
   int64_t total_steps_;
   int window_;
+  bool resumed_;
   std::deque<StepResult> recent_;
   double seconds_ = 0;
   int64_t steps_seen_ = 0;  // by this process (a resumed run starts late)

@@ -1,7 +1,10 @@
 #include "trainer/trainer.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
+#include <random>
 
 #include <torch/torch.h>
 
@@ -12,6 +15,14 @@
 #include "model/checkpoint_reader.h"
 
 namespace himoe::trainer {
+
+std::string NewRunId() {
+  char host[64] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+  std::random_device device;
+  const uint64_t bits = (static_cast<uint64_t>(device()) << 32) ^ device();
+  return absl::StrCat(host[0] != '\0' ? host : "host", "-", getpid(), "-", absl::Hex(bits));
+}
 
 double CosineLearningRate(const TrainerOptions& o, int64_t step) {
   if (step < o.warmup_steps) return o.lr * (step + 1) / static_cast<double>(o.warmup_steps + 1);
@@ -83,6 +94,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   bo.shape = model::ExpertShapeFor(o.model);
   bo.addresses = o.expert_addresses;
   bo.on_rpc = o.on_rpc;
+  if (opts.run_id.empty()) opts.run_id = NewRunId();
+  bo.run_id = opts.run_id;
   if (o.remote_experts) {
     HIMOE_ASSIGN_OR_RETURN(t->experts_, CreateRemoteBackend(bo));
   } else {

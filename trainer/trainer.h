@@ -32,6 +32,9 @@ struct TrainerOptions {
   // Where the experts run, as recorded in the checkpoints and the run log:
   // local, cluster or inprocess; empty = "remote" or "inprocess".
   std::string experts_mode;
+  // Remote experts: the training run begun on every group (see
+  // ExpertBackendOptions::run_id); empty = a new unique id.
+  std::string run_id;
   // Remote experts: (group, RPC, seconds) of every call, from gRPC threads.
   std::function<void(int, const std::string&, double)> on_rpc;
 
@@ -52,6 +55,10 @@ struct TrainerOptions {
   // against; 0 = unknown.
   double machine_gflops = 0;
 };
+
+// A training run's id, unique across hosts and restarts: host, pid, 64 random
+// bits.
+std::string NewRunId();
 
 // Warmup then cosine decay to min_lr at the last step (nanoGPT's schedule).
 double CosineLearningRate(const TrainerOptions& options, int64_t step);
@@ -109,6 +116,7 @@ class Trainer {
   ExpertBackend& experts() { return *experts_; }
   const Corpus& corpus() const { return *corpus_; }
   const TrainerOptions& options() const { return options_; }
+  const std::string& run_id() const { return options_.run_id; }
   double flops_per_token() const { return flops_per_token_; }
 
  private:

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -362,7 +363,9 @@ absl::Status Run() {
             << "routing: " << router::RoutingConfigDebugString(o.model.routing) << "\n";
   HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<RunLog> log,
                          RunLog::Create(absl::StrCat(out_dir, "/metrics.jsonl"), o.steps, 50,
-                                        /*append=*/absl::GetFlag(FLAGS_resume)));
+                                        absl::GetFlag(FLAGS_resume)
+                                            ? std::optional<int64_t>(trainer->step())
+                                            : std::nullopt));
   log->OnConfig(RunConfigFor(trainer->options(), trainer->step()));
   log->OnCompute(compute, trainer->flops_per_token());
   TrainerMetrics* metrics = endpoint.metrics.get();

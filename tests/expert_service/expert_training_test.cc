@@ -74,6 +74,7 @@ struct Key {
   uint32_t micro_batch = 0;
   int layer = 1;
   uint64_t request_id = 0;
+  std::string run_id;
 };
 
 v1::ExpertForwardRequest ForwardRequest(const Key& key, const Inputs& inputs,
@@ -84,6 +85,7 @@ v1::ExpertForwardRequest ForwardRequest(const Key& key, const Inputs& inputs,
   r.set_micro_batch(key.micro_batch);
   r.set_request_id(key.request_id);
   r.set_save_for_backward(save);
+  r.set_run_id(key.run_id);
   for (const auto& [expert, rows] : inputs) {
     v1::ExpertRows* in = r.add_inputs();
     in->set_expert_id(expert);
@@ -99,6 +101,7 @@ v1::ExpertBackwardRequest BackwardRequest(const Key& key, const Inputs& inputs,
   r.set_step(key.step);
   r.set_micro_batch(key.micro_batch);
   r.set_request_id(key.request_id);
+  r.set_run_id(key.run_id);
   for (size_t i = 0; i < inputs.size(); ++i) {
     v1::ExpertRows* g = r.add_output_grads();
     g->set_expert_id(inputs[i].first);
@@ -505,6 +508,102 @@ TEST(ExpertTrainingCoreTest, RepeatedOrOlderStepChangesNothing) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("eps: 0"));
   EXPECT_EQ(core->last_applied_step(), 2u);
+}
+
+// A new run on a group that trained before starts from the seed's experts,
+// with no optimizer state, grads or saved Forwards left, and counts its steps
+// from 1: an earlier run's step ids are not mistaken for its own.
+TEST(ExpertTrainingCoreTest, BeginRunStartsFromTheSeedAndKeysStepsByRun) {
+  auto core = MakeCore();
+  const auto seed_weights = Weights(*core);
+  const auto train = [&](ExpertServiceCore* c, uint64_t step, const std::string& run) {
+    const Inputs inputs = RandomInputs({{2, 4}, {3, 2}});
+    CoreForwardBackward(c, Key{step, 0, 1, 0, run}, inputs, RandomGrads(inputs));
+    v1::ExpertStepRequest request = StepRequest(step);
+    request.set_run_id(run);
+    v1::ExpertStepResponse r;
+    const absl::Status s = c->Step(request, &r);
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_TRUE(r.applied()) << "step " << step << " of " << run;
+  };
+  v1::BeginRunRequest begin;
+  v1::BeginRunResponse begun;
+  begin.set_run_id("run-a");
+  ASSERT_TRUE(core->BeginRun(begin, &begun).ok());
+  EXPECT_EQ(begun.previous_run_id(), "");
+  for (uint64_t step = 1; step <= 3; ++step) train(core.get(), step, "run-a");
+  ASSERT_FALSE(SameWeights(Weights(*core), seed_weights));
+  // Run a leaves a saved Forward behind (its trainer was stopped mid-step).
+  v1::ExpertForwardResponse forward;
+  ASSERT_TRUE(
+      core->Forward(ForwardRequest(Key{4, 0, 1, 0, "run-a"}, RandomInputs({{2, 3}})), &forward)
+          .ok());
+  ASSERT_EQ(core->pending_saved(), 1);
+
+  begin.set_run_id("run-b");
+  ASSERT_TRUE(core->BeginRun(begin, &begun).ok());
+  EXPECT_EQ(begun.previous_run_id(), "run-a");
+  EXPECT_EQ(begun.previous_last_applied_step(), 3u);
+  EXPECT_EQ(begun.freed(), 1);
+  EXPECT_EQ(core->pending_saved(), 0);
+  EXPECT_EQ(core->last_applied_step(), 0u);
+  EXPECT_EQ(core->Info().run_id, "run-b");
+  EXPECT_TRUE(SameWeights(Weights(*core), seed_weights));
+  EXPECT_EQ(CoreGradNormSquared(core.get()), 0.0);
+  auto optimizer_state = core->GetState(/*include_optimizer=*/true);
+  ASSERT_TRUE(optimizer_state.ok());
+  EXPECT_EQ(optimizer_state->size(), seed_weights.size() + 1);  // + last_applied_step only
+
+  // Run b's steps 1..3 apply, and reach what a fresh service reaches with the
+  // same data.
+  auto fresh = MakeCore();
+  ASSERT_TRUE(fresh->BeginRun(begin, &begun).ok());
+  at::manual_seed(11);
+  for (uint64_t step = 1; step <= 3; ++step) train(core.get(), step, "run-b");
+  at::manual_seed(11);
+  for (uint64_t step = 1; step <= 3; ++step) train(fresh.get(), step, "run-b");
+  EXPECT_TRUE(SameWeights(Weights(*core), Weights(*fresh)));
+
+  // A step of another run is refused, naming both runs; nothing changes.
+  const auto before = Weights(*core);
+  v1::ExpertStepRequest stale = StepRequest(4);
+  stale.set_run_id("run-a");
+  v1::ExpertStepResponse r;
+  const absl::Status s = core->Step(stale, &r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("run 'run-a'"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("serves run 'run-b'"));
+  EXPECT_TRUE(SameWeights(Weights(*core), before));
+  // So are its Forward with save_for_backward, Backward and Abort; run b's
+  // saved Forward and grads stay.
+  const Inputs inputs = RandomInputs({{2, 4}});
+  ASSERT_TRUE(core->Forward(ForwardRequest(Key{4, 0, 1, 0, "run-b"}, inputs), &forward).ok());
+  EXPECT_EQ(core->Forward(ForwardRequest(Key{4, 0, 1, 1, "run-a"}, inputs), &forward).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(core->Forward(ForwardRequest(Key{4, 0, 1, 1, "run-a"}, inputs, /*save=*/false),
+                            &forward).ok());  // inference needs no run
+  v1::ExpertAbortRequest abort;
+  abort.set_step(4);
+  abort.set_run_id("run-a");
+  v1::ExpertAbortResponse aborted;
+  EXPECT_EQ(core->Abort(abort, &aborted).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core->pending_saved(), 1);
+  v1::ExpertBackwardResponse backward;
+  EXPECT_EQ(core->Backward(BackwardRequest(Key{4, 0, 1, 0, "run-a"}, inputs, RandomGrads(inputs)),
+                           &backward).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(CoreGradNormSquared(core.get()), 0.0);
+  EXPECT_EQ(core->pending_saved(), 1);  // run b's, same key, not consumed
+  EXPECT_EQ(CoreForwardBackward(core.get(), Key{5, 0, 1, 0, "run-b"}, inputs,
+                                RandomGrads(inputs)).size(), 1u);
+
+  begin.set_run_id("");
+  EXPECT_EQ(core->BeginRun(begin, &begun).code(), absl::StatusCode::kInvalidArgument);
+  begin.set_run_id(std::string(129, 'x'));
+  const absl::Status long_id = core->BeginRun(begin, &begun);
+  EXPECT_EQ(long_id.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(long_id.message()), HasSubstr("run_id: 129 bytes; expected 1 to 128"));
+  EXPECT_EQ(core->Info().run_id, "run-b");
 }
 
 TEST(ExpertTrainingCoreTest, BackwardAfterTheWeightsChangedIsFailedPrecondition) {

@@ -174,6 +174,82 @@ TEST(RemoteTrainingTest, AbortedStepFreesSavedStateAndStepIsIdempotent) {
   }
 }
 
+// A second training run on services that trained already starts from the
+// seed's experts and applies every one of its steps: it trains exactly like
+// the first run (before run ids, it kept the old weights and skipped steps
+// 1..3 as "already applied", exiting 0).
+TEST(RemoteTrainingTest, ASecondRunOnTheSameServicesTrainsLikeTheFirst) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster cluster(o);
+  std::vector<double> losses[2];
+  std::map<std::string, at::Tensor> params[2];
+  std::string run_ids[2];
+  for (int run = 0; run < 2; ++run) {
+    auto t = Trainer::Create(cluster.Remote(o));
+    ASSERT_TRUE(t.ok()) << t.status();
+    run_ids[run] = (*t)->run_id();
+    for (int step = 0; step < 3; ++step) {
+      auto r = (*t)->Step();
+      ASSERT_TRUE(r.ok()) << "run " << run << ": " << r.status();
+      losses[run].push_back(r->loss);
+    }
+    params[run] = AllParameters(**t);
+  }
+  EXPECT_NE(run_ids[0], run_ids[1]);
+  EXPECT_EQ(losses[0], losses[1]);
+  ASSERT_EQ(params[0].size(), params[1].size());
+  for (const auto& [name, tensor] : params[0]) {
+    EXPECT_TRUE(at::equal(tensor, params[1].at(name))) << name;
+  }
+}
+
+// A trainer stopped mid-step (no Abort) leaves saved Forwards on the groups;
+// the next run is not blocked by them (it failed with ALREADY_EXISTS).
+TEST(RemoteTrainingTest, AStoppedTrainersSavedStateDoesNotBlockTheNextRun) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster cluster(o);
+  {
+    auto stopped = Trainer::Create(cluster.Remote(o));
+    ASSERT_TRUE(stopped.ok()) << stopped.status();
+    const at::Tensor x = at::randint(0, 256, {4, 16}, at::kLong);
+    ASSERT_TRUE((*stopped)->model().Forward(x, x, /*step=*/1, 0, /*training=*/true).ok());
+    ASSERT_GT(*(*stopped)->experts().PendingSaved(), 0);
+  }
+  auto next = Trainer::Create(cluster.Remote(o));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(*(*next)->experts().PendingSaved(), 0);
+  auto r = (*next)->Step();
+  ASSERT_TRUE(r.ok()) << r.status();
+}
+
+// Two trainers on one set of services: the one whose run was replaced stops
+// with FAILED_PRECONDITION naming both runs, and does not disturb the other.
+TEST(RemoteTrainingTest, ATrainerWhoseRunWasReplacedStopsAndLeavesTheNewRunAlone) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster cluster(o);
+  auto old_run = Trainer::Create(cluster.Remote(o));
+  ASSERT_TRUE(old_run.ok()) << old_run.status();
+  ASSERT_TRUE((*old_run)->Step().ok());
+  auto new_run = Trainer::Create(cluster.Remote(o));
+  ASSERT_TRUE(new_run.ok()) << new_run.status();
+  auto r = (*old_run)->Step();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr((*old_run)->run_id()));
+  EXPECT_THAT(r.status().message(), HasSubstr((*new_run)->run_id()));
+  // The new run trains exactly like a run on fresh services.
+  ExpertCluster fresh_cluster(o);
+  auto fresh = Trainer::Create(fresh_cluster.Remote(o));
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  for (int step = 0; step < 2; ++step) {
+    auto a = (*new_run)->Step();
+    auto b = (*fresh)->Step();
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(a->loss, b->loss) << "step " << step + 1;
+  }
+}
+
 // A group that goes away mid-run fails the step as UNAVAILABLE (or
 // DEADLINE_EXCEEDED) naming the group, through the autograd bridge; not as
 // INTERNAL.

@@ -1,0 +1,75 @@
+// metrics.jsonl across a resume: the resumed run's lines replace the ones the
+// interrupted run wrote after its checkpoint, so no step is counted twice.
+#include "trainer/run_log.h"
+
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "tests/trainer/trainer_test_util.h"
+
+namespace himoe::trainer {
+namespace {
+
+// (kind, step) of every line; step -1 where the line has no integer step.
+std::vector<std::pair<std::string, int64_t>> Lines(const std::string& path) {
+  std::vector<std::pair<std::string, int64_t>> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    const auto rec = nlohmann::json::parse(line);
+    const bool has_step = rec.contains("step") && rec["step"].is_number_integer();
+    out.emplace_back(rec.value("kind", ""), has_step ? rec["step"].get<int64_t>() : -1);
+  }
+  return out;
+}
+
+void WriteSteps(RunLog& log, int64_t first, int64_t last, int eval_every) {
+  for (int64_t step = first; step <= last; ++step) {
+    StepResult s;
+    s.step = step;
+    s.tokens = 64;
+    s.seconds = 0.01;
+    log.OnStep(s);
+    if (step % eval_every == 0) log.OnEval(step, EvalResult{2.0, {}});
+  }
+}
+
+TEST(RunLogTest, AResumedRunDropsWhatFollowedItsCheckpoint) {
+  testing::TempDir dir("himoe_run_log_test");
+  const std::string path = dir.str() + "/metrics.jsonl";
+  v1::RunConfig config;
+  config.set_step(0);
+  {
+    // Evaluates at 0, 2, 4; checkpoint at 4; stopped after step 5.
+    auto log = RunLog::Create(path, /*total_steps=*/8, /*window=*/4);
+    ASSERT_TRUE(log.ok()) << log.status();
+    (*log)->OnConfig(config);
+    (*log)->OnEval(0, EvalResult{3.0, {}});
+    WriteSteps(**log, 1, 5, 2);
+  }
+  {
+    auto log = RunLog::Create(path, 8, 4, /*resumed_at=*/4);
+    ASSERT_TRUE(log.ok()) << log.status();
+    config.set_step(4);
+    (*log)->OnConfig(config);
+    (*log)->OnEval(4, EvalResult{1.9, {}});  // the resumed run evaluates first
+    WriteSteps(**log, 5, 8, 2);
+  }
+  const std::vector<std::pair<std::string, int64_t>> want = {
+      {"config", -1}, {"eval", 0},  {"train", 1}, {"train", 2}, {"eval", 2},
+      {"train", 3},   {"train", 4}, {"resume", -1}, {"eval", 4},  {"train", 5},
+      {"train", 6},   {"eval", 6},  {"train", 7}, {"train", 8},  {"eval", 8}};
+  EXPECT_EQ(Lines(path), want);
+  // A new run starts the file again.
+  auto fresh = RunLog::Create(path, 8, 4);
+  ASSERT_TRUE(fresh.ok());
+  (*fresh)->OnConfig(config);
+  EXPECT_EQ(Lines(path), (std::vector<std::pair<std::string, int64_t>>{{"config", -1}}));
+}
+
+}  // namespace
+}  // namespace himoe::trainer
