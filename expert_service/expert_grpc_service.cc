@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "expert_service/state_stream.h"
 #include "proto/grpc_status.h"
+#include "proto/raw_unary.h"
 
 namespace himoe::expert {
 namespace {
@@ -124,52 +125,48 @@ ExpertGrpcService::ExpertGrpcService(ExpertServiceCore* core, int64_t max_chunk_
     : core_(core), max_chunk_bytes_(std::max<int64_t>(max_chunk_bytes, 1)) {}
 
 grpc::ServerUnaryReactor* ExpertGrpcService::Info(grpc::CallbackServerContext* context,
-                                                  const v1::ExpertInfoRequest*,
-                                                  v1::ExpertInfoResponse* response) {
-  core_->FillInfo(response);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+                                                  const grpc::ByteBuffer* request,
+                                                  grpc::ByteBuffer* response) {
+  return ServeUnarySync<v1::ExpertInfoRequest, v1::ExpertInfoResponse>(
+      context, request, response, [this](const auto&, auto* r) {
+        core_->FillInfo(r);
+        return absl::OkStatus();
+      });
 }
 
-grpc::ServerUnaryReactor* ExpertGrpcService::Forward(
-    grpc::CallbackServerContext* context, const v1::ExpertForwardRequest* request,
-    v1::ExpertForwardResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(core_->Forward(*request, response)));
-  return reactor;
+grpc::ServerUnaryReactor* ExpertGrpcService::Forward(grpc::CallbackServerContext* context,
+                                                     const grpc::ByteBuffer* request,
+                                                     grpc::ByteBuffer* response) {
+  return ServeUnarySync<v1::ExpertForwardRequest, v1::ExpertForwardResponse>(
+      context, request, response, [this](const auto& q, auto* r) { return core_->Forward(q, r); });
 }
 
-grpc::ServerUnaryReactor* ExpertGrpcService::Backward(
-    grpc::CallbackServerContext* context, const v1::ExpertBackwardRequest* request,
-    v1::ExpertBackwardResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(core_->Backward(*request, response)));
-  return reactor;
+grpc::ServerUnaryReactor* ExpertGrpcService::Backward(grpc::CallbackServerContext* context,
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* response) {
+  return ServeUnarySync<v1::ExpertBackwardRequest, v1::ExpertBackwardResponse>(
+      context, request, response, [this](const auto& q, auto* r) { return core_->Backward(q, r); });
 }
 
 grpc::ServerUnaryReactor* ExpertGrpcService::Step(grpc::CallbackServerContext* context,
-                                                  const v1::ExpertStepRequest* request,
-                                                  v1::ExpertStepResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(core_->Step(*request, response)));
-  return reactor;
+                                                  const grpc::ByteBuffer* request,
+                                                  grpc::ByteBuffer* response) {
+  return ServeUnarySync<v1::ExpertStepRequest, v1::ExpertStepResponse>(
+      context, request, response, [this](const auto& q, auto* r) { return core_->Step(q, r); });
 }
 
 grpc::ServerUnaryReactor* ExpertGrpcService::Abort(grpc::CallbackServerContext* context,
-                                                   const v1::ExpertAbortRequest* request,
-                                                   v1::ExpertAbortResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(core_->Abort(*request, response)));
-  return reactor;
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  return ServeUnarySync<v1::ExpertAbortRequest, v1::ExpertAbortResponse>(
+      context, request, response, [this](const auto& q, auto* r) { return core_->Abort(q, r); });
 }
 
 grpc::ServerUnaryReactor* ExpertGrpcService::BeginRun(grpc::CallbackServerContext* context,
-                                                      const v1::BeginRunRequest* request,
-                                                      v1::BeginRunResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(core_->BeginRun(*request, response)));
-  return reactor;
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* response) {
+  return ServeUnarySync<v1::BeginRunRequest, v1::BeginRunResponse>(
+      context, request, response, [this](const auto& q, auto* r) { return core_->BeginRun(q, r); });
 }
 
 grpc::ServerWriteReactor<v1::StateChunk>* ExpertGrpcService::GetState(

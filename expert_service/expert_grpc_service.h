@@ -15,31 +15,41 @@
 
 namespace himoe::expert {
 
+using ExpertServiceBase = v1::ExpertService::WithRawCallbackMethod_Info<
+    v1::ExpertService::WithRawCallbackMethod_Forward<
+        v1::ExpertService::WithRawCallbackMethod_Backward<
+            v1::ExpertService::WithRawCallbackMethod_Step<
+                v1::ExpertService::WithRawCallbackMethod_Abort<
+                    v1::ExpertService::WithRawCallbackMethod_BeginRun<
+                        v1::ExpertService::CallbackService>>>>>>;
+
 // The gRPC adapter over ExpertServiceCore: decode, call the core, encode.
-class ExpertGrpcService final : public v1::ExpertService::CallbackService {
+class ExpertGrpcService final : public ExpertServiceBase {
  public:
   // `core` must outlive the service. GetState chunks are capped at
   // max_chunk_bytes so that each fits in one message.
   ExpertGrpcService(ExpertServiceCore* core, int64_t max_chunk_bytes);
 
+  // Unary methods are registered raw: bytes that do not parse as the request
+  // message get INVALID_ARGUMENT naming it (ServeUnary).
   grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* context,
-                                 const v1::ExpertInfoRequest* request,
-                                 v1::ExpertInfoResponse* response) override;
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
-                                    const v1::ExpertForwardRequest* request,
-                                    v1::ExpertForwardResponse* response) override;
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Backward(grpc::CallbackServerContext* context,
-                                     const v1::ExpertBackwardRequest* request,
-                                     v1::ExpertBackwardResponse* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* context,
-                                 const v1::ExpertStepRequest* request,
-                                 v1::ExpertStepResponse* response) override;
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
-                                  const v1::ExpertAbortRequest* request,
-                                  v1::ExpertAbortResponse* response) override;
+                                  const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* BeginRun(grpc::CallbackServerContext* context,
-                                     const v1::BeginRunRequest* request,
-                                     v1::BeginRunResponse* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
   grpc::ServerWriteReactor<v1::StateChunk>* GetState(
       grpc::CallbackServerContext* context,
       const v1::GetStateRequest* request) override;

@@ -212,6 +212,12 @@ absl::Status ExpertServiceCore::ComputeForward(const v1::ExpertForwardRequest& r
     at::Tensor x = at::cat(xs);
     if (save) x = x.detach().requires_grad_(true);
     HIMOE_ASSIGN_OR_RETURN(const at::Tensor y, group(request.layer())->Forward(x, at::cat(ids)));
+    if (!at::isfinite(y).all().item<bool>()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", request.layer(), ", group ", options_.group_id,
+          ": the experts' outputs are not finite (NaN or Inf); the input rows (max |x| = ",
+          x.detach().abs().max().item<double>(), ") overflow them"));
+    }
     if (save) {
       saved->input = x;
       saved->output = y;

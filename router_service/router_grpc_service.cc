@@ -21,6 +21,7 @@
 #include "common/host_port.h"
 #include "common/torch_runtime.h"
 #include "proto/grpc_status.h"
+#include "proto/raw_unary.h"
 
 namespace himoe::router {
 
@@ -189,8 +190,14 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* RouterGrpcService::Generate(
 }
 
 grpc::ServerUnaryReactor* RouterGrpcService::Info(grpc::CallbackServerContext* context,
-                                                  const v1::RouterInfoRequest*,
-                                                  v1::RouterInfoResponse* response) {
+                                                  const grpc::ByteBuffer* request,
+                                                  grpc::ByteBuffer* response) {
+  return ServeUnarySync<v1::RouterInfoRequest, v1::RouterInfoResponse>(
+      context, request, response,
+      [this](const v1::RouterInfoRequest&, v1::RouterInfoResponse* r) { return FillInfo(r); });
+}
+
+absl::Status RouterGrpcService::FillInfo(v1::RouterInfoResponse* response) const {
   const RoutingConfig& c = moe_->options().routing;
   response->set_method(std::string(RoutingMethodName(c.method)));
   response->set_num_experts(c.num_experts);
@@ -202,40 +209,54 @@ grpc::ServerUnaryReactor* RouterGrpcService::Info(grpc::CallbackServerContext* c
     response->add_group_addresses(absl::StrJoin(moe_->group(g).addresses(), "|"));
   }
   response->set_version("himoe 0.1");
-  auto* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return absl::OkStatus();
 }
 
-grpc::ServerUnaryReactor* RouterGrpcService::RouteForward(
-    grpc::CallbackServerContext* context, const v1::RouteForwardRequest* request,
-    v1::RouteForwardResponse* response) {
-  auto* reactor = context->DefaultReactor();
+grpc::ServerUnaryReactor* RouterGrpcService::RouteForward(grpc::CallbackServerContext* context,
+                                                          const grpc::ByteBuffer* request,
+                                                          grpc::ByteBuffer* response) {
+  return ServeUnary<v1::RouteForwardRequest, v1::RouteForwardResponse>(
+      context, request, response,
+      [this](const v1::RouteForwardRequest& q, v1::RouteForwardResponse* r,
+             std::function<void(const absl::Status&)> done) { Route(q, r, std::move(done)); });
+}
+
+void RouterGrpcService::Route(const v1::RouteForwardRequest& request,
+                                     v1::RouteForwardResponse* response,
+                                     std::function<void(const absl::Status&)> done) {
   const auto start = std::chrono::steady_clock::now();
   RouterMetrics* metrics = metrics_;
-  const auto finish = [reactor, metrics, start](const absl::Status& status) {
+  const auto finish = [done = std::move(done), metrics, start](const absl::Status& status) {
     if (metrics != nullptr) {
       metrics->OnRequest(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       if (!status.ok()) metrics->OnError(static_cast<int>(status.code()));
     }
-    reactor->Finish(ToGrpcStatus(status));
+    done(status);
   };
-  const int layer = request->layer();
+  const int layer = request.layer();
   if (layer < 0 || layer >= moe_->num_layers()) {
     finish(absl::InvalidArgumentError(absl::StrCat(
         "layer: ", layer, " is not served; layers are [0, ", moe_->num_layers(), ")")));
-    return reactor;
+    return;
   }
-  auto x = DecodeHidden(*request, moe_->options().shape.d_model(), max_tokens_);
+  auto x = DecodeHidden(request, moe_->options().shape.d_model(), max_tokens_);
   if (!x.ok()) {
     finish(x.status());
-    return reactor;
+    return;
   }
   const c10::ScalarType reply_dtype = x->scalar_type();
-  const bool routing = request->return_routing();
+  const bool routing = request.return_routing();
   batcher_->Submit(layer, x->to(at::kFloat), [=](absl::StatusOr<LayerResult> result) {
     absl::Status status = result.status();
+    if (status.ok()) {
+      status = CatchTorchErrors([&] {
+        if (at::isfinite(result->output).all().item<bool>()) return absl::OkStatus();
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer ", layer, ": the combined output is not finite (NaN or Inf); the hidden "
+            "rows (max |x| = ", x->abs().max().item<double>(), ") overflow the gate or the experts"));
+      });
+    }
     if (status.ok()) {
       status = EncodeTensor(result->output.to(reply_dtype), response->mutable_output());
     }
@@ -245,7 +266,6 @@ grpc::ServerUnaryReactor* RouterGrpcService::RouteForward(
     }
     finish(status);
   });
-  return reactor;
 }
 
 absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(

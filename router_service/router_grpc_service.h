@@ -42,7 +42,10 @@ struct RouterServerOptions {
 
 // The RouterService adapter: decode and validate, batch, route and dispatch
 // through RemoteMoE, encode.
-class RouterGrpcService final : public v1::RouterService::CallbackService {
+class RouterGrpcService final
+    : public v1::RouterService::WithRawCallbackMethod_Info<
+          v1::RouterService::WithRawCallbackMethod_RouteForward<
+              v1::RouterService::CallbackService>> {
  public:
   RouterGrpcService(RemoteMoE* moe, Batcher* batcher, RouterMetrics* metrics,
                     int64_t max_tokens,
@@ -53,16 +56,24 @@ class RouterGrpcService final : public v1::RouterService::CallbackService {
         max_tokens_(max_tokens),
         generator_(std::move(generator)) {}
 
+  // Unary methods are registered raw: bytes that do not parse as the request
+  // message get INVALID_ARGUMENT naming it (ServeUnary).
   grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* context,
-                                 const v1::RouterInfoRequest* request,
-                                 v1::RouterInfoResponse* response) override;
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* RouteForward(grpc::CallbackServerContext* context,
-                                         const v1::RouteForwardRequest* request,
-                                         v1::RouteForwardResponse* response) override;
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
 
  private:
+  absl::Status FillInfo(v1::RouterInfoResponse* response) const;
+  // Validates, batches, and calls `done` once (from the batcher's thread
+  // when the request was valid).
+  void Route(const v1::RouteForwardRequest& request, v1::RouteForwardResponse* response,
+                    std::function<void(const absl::Status&)> done);
+
   RemoteMoE* moe_;
   Batcher* batcher_;
   RouterMetrics* metrics_;  // may be null

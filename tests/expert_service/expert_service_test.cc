@@ -13,6 +13,7 @@
 #include <iterator>
 #include <limits>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -277,6 +278,12 @@ TEST_F(ExpertServiceTest, BadInputsAreInvalidArgumentAndServerKeepsServing) {
          *r->mutable_inputs(1)->mutable_rows() = Encode(x.to(at::kBFloat16));
        },
        "inputs[1].rows contains NaN or Inf"},
+      {"finite but huge",
+       [](v1::ExpertForwardRequest* r) {
+         *r->mutable_inputs(0)->mutable_rows() = Encode(at::full({2, kD}, 3e38));
+       },
+       "layer 1, group 1: the experts' outputs are not finite (NaN or Inf); the input rows "
+       "(max |x| = 3e+38) overflow them"},
       {"empty batch", [](v1::ExpertForwardRequest* r) { r->clear_inputs(); },
        "inputs: the request is empty"},
       {"zero rows",
@@ -531,6 +538,28 @@ TEST_F(ExpertServiceTest, ReflectionListsTheServices) {
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_THAT(call.reply(), HasSubstr("himoe.v1.ExpertService"));
   EXPECT_THAT(call.reply(), HasSubstr("grpc.health.v1.Health"));
+}
+
+// Bytes that are not a request message: the typed callback API answered
+// UNIMPLEMENTED with an empty message.
+TEST_F(ExpertServiceTest, UnparsableRequestBytesAreInvalidArgument) {
+  grpc::GenericStub generic(channel_);
+  std::mt19937 rng(3);
+  std::string garbage(64, '\0');
+  for (char& c : garbage) c = static_cast<char>(rng());
+  grpc::Slice slice(garbage);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  grpc::ClientContext context;
+  std::promise<grpc::Status> done;
+  generic.UnaryCall(&context, "/himoe.v1.ExpertService/Forward", grpc::StubOptions(), &request,
+                    &response, [&done](grpc::Status s) { done.set_value(std::move(s)); });
+  const grpc::Status status = done.get_future().get();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "request: 64 bytes do not parse as himoe.v1.ExpertForwardRequest");
+  v1::ExpertForwardResponse good;
+  EXPECT_TRUE(Forward(MakeRequest(1, {{2, at::randn({2, kD})}}), &good).ok());
 }
 
 // A second server on a port already served is refused: with SO_REUSEPORT the

@@ -70,10 +70,17 @@ std::unique_ptr<ExpertServiceCore> MakeCore(absl::Duration ttl = absl::Seconds(3
 std::unique_ptr<ExpertGroup> LocalGroup(int layer) { return GroupLike(CoreOptions(), layer); }
 
 struct Key {
-  uint64_t step = 1;
-  uint32_t micro_batch = 0;
-  int layer = 1;
-  uint64_t request_id = 0;
+  Key(uint64_t step = 1, uint32_t micro_batch = 0, int layer = 1, uint64_t request_id = 0,
+      std::string run_id = "")
+      : step(step),
+        micro_batch(micro_batch),
+        layer(layer),
+        request_id(request_id),
+        run_id(std::move(run_id)) {}
+  uint64_t step;
+  uint32_t micro_batch;
+  int layer;
+  uint64_t request_id;
   std::string run_id;
 };
 

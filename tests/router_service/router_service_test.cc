@@ -2,12 +2,14 @@
 // services, checked against LocalMoE on the same weights and inputs.
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <prometheus/exposer.h>
@@ -213,6 +215,8 @@ TEST_F(RouterServiceTest, BadInputIsInvalidArgumentAndServerKeepsServing) {
          at::Tensor x = at::randn({4, kD}); x[0][0] = -INFINITY;
          EncodeTensor(x, r.mutable_hidden()).IgnoreError(); },
        "hidden contains NaN or Inf"},
+      {"finite but huge", [](auto& r) { EncodeTensor(at::full({4, kD}, 3e38), r.mutable_hidden()).IgnoreError(); },
+       "not finite (NaN or Inf)"},
       {"empty batch", [](auto& r) { EncodeTensor(at::zeros({0, kD}), r.mutable_hidden()).IgnoreError(); },
        "hidden: empty batch (T = 0)"},
       {"unknown layer", [](auto& r) { r.set_layer(5); }, "layer: 5 is not served; layers are [0, 2)"},
@@ -232,6 +236,35 @@ TEST_F(RouterServiceTest, BadInputIsInvalidArgumentAndServerKeepsServing) {
     ASSERT_TRUE(good.ok()) << bad.name << ": " << good.status();
     EXPECT_LE(MaxAbsDiff(Output(*good), Reference(Options(RoutingMethod::kHiMoe).moe.routing, 0, x).output), 1e-5);
   }
+}
+
+// Bytes that are not a RouteForwardRequest get INVALID_ARGUMENT naming the
+// message (the typed callback API answered UNIMPLEMENTED with no message).
+TEST_F(RouterServiceTest, UnparsableRequestBytesAreInvalidArgument) {
+  StartRouter(Options(RoutingMethod::kHiMoe));
+  grpc::GenericStub generic(
+      grpc::CreateChannel(Loopback(router_->port()), grpc::InsecureChannelCredentials()));
+  const std::pair<const char*, const char*> calls[] = {
+      {"/himoe.v1.RouterService/RouteForward", "himoe.v1.RouteForwardRequest"},
+      {"/himoe.v1.RouterService/Info", "himoe.v1.RouterInfoRequest"}};
+  for (const auto& [method, message] : calls) {
+    const std::string garbage = "\xff\xff\xff\xff\x0f not a protobuf message";
+    grpc::Slice slice(garbage);
+    grpc::ByteBuffer request(&slice, 1);
+    grpc::ByteBuffer response;
+    grpc::ClientContext context;
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&context, method, grpc::StubOptions(), &request, &response,
+                      [&done](grpc::Status s) { done.set_value(std::move(s)); });
+    const grpc::Status status = done.get_future().get();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_EQ(status.error_message(), absl::StrCat("request: ", garbage.size(),
+                                                   " bytes do not parse as ", message));
+  }
+  const at::Tensor x = at::randn({5, kD});
+  auto good = Route(0, x);
+  ASSERT_TRUE(good.ok()) << good.status();
+  EXPECT_LE(MaxAbsDiff(Output(*good), Reference(Options(RoutingMethod::kHiMoe).moe.routing, 0, x).output), 1e-5);
 }
 
 TEST_F(RouterServiceTest, DeadGroupIsUnavailableNamingItThenRecovers) {
