@@ -7,6 +7,7 @@
 #include <google/protobuf/text_format.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/cpu_cores.h"
 
 namespace himoe {
 namespace {
@@ -91,6 +92,7 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
     return Invalid(origin, "router: chunk_bytes, deadline_ms, max_batch_tokens and "
                            "max_tokens_per_request must be >= 1, max_queue_delay_us >= 0");
   }
+  if (r.threads() < 0) return Invalid(origin, "router.threads must be >= 0");
   return c;
 }
 
@@ -100,6 +102,10 @@ absl::StatusOr<v1::ClusterConfig> LoadClusterConfig(const std::string& path) {
   std::stringstream buffer;
   buffer << in.rdbuf();
   return ParseClusterConfig(buffer.str(), path);
+}
+
+int ServiceThreads(const v1::ClusterConfig& cluster, int configured) {
+  return configured > 0 ? configured : ShareOfCores(cluster.groups_size() + 1);
 }
 
 }  // namespace himoe

@@ -15,6 +15,11 @@ absl::StatusOr<v1::ClusterConfig> LoadClusterConfig(const std::string& path);
 absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
                                                      absl::string_view origin);
 
+// The threads of a service himoe-cluster starts from `cluster`: `configured`
+// (a group's or the router's `threads`), or for 0 an equal share of this
+// host's cores among the groups and the router, at least 1.
+int ServiceThreads(const v1::ClusterConfig& cluster, int configured);
+
 }  // namespace himoe
 
 #endif  // HIMOE_COMMON_CLUSTER_CONFIG_H_

@@ -1,12 +1,10 @@
 #include "common/torch_runtime.h"
 
 #include <dlfcn.h>
-#include <sched.h>
 
 #include <cstdlib>
 #include <exception>
 #include <string>
-#include <thread>
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -15,16 +13,6 @@
 #include "absl/strings/str_cat.h"
 
 namespace himoe {
-
-int DefaultThreadCount() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-    const int n = CPU_COUNT(&set);
-    if (n > 0) return n;
-  }
-  const unsigned hw = std::thread::hardware_concurrency();
-  return hw > 0 ? static_cast<int>(hw) : 1;
-}
 
 absl::Status ConfigureTorchThreads(int threads) {
   // An explicit count wins over an inherited BLIS_NUM_THREADS: a process

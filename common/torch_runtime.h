@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/cpu_cores.h"
 #include <c10/core/Device.h>
 
 namespace himoe {
@@ -18,9 +19,6 @@ namespace himoe {
 // then a BLIS_NUM_THREADS already in the environment is kept. Both default to 1 thread here, so every program calls this
 // first, before any matmul.
 absl::Status ConfigureTorchThreads(int threads);
-
-// Number of CPU cores available to this process.
-int DefaultThreadCount();
 
 // Parses "cpu" or "cuda:K"; CUDA devices are refused when LibTorch has no CUDA.
 absl::StatusOr<c10::Device> ParseDevice(absl::string_view spec);

@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/cluster_config.h"
+#include "common/host_port.h"
 #include "common/compute_setup.h"
 #include "common/expert_shape.h"
 #include "common/file_util.h"
@@ -86,8 +87,8 @@ ABSL_FLAG(int64_t, eval_every, 100, "validation every N steps");
 ABSL_FLAG(int64_t, eval_windows, 64, "validation windows of block_size tokens");
 ABSL_FLAG(uint64_t, seed, 1, "seed of weights and batches");
 ABSL_FLAG(int, threads, 0,
-          "torch and BLAS threads of this process; 0 = all cores, or with --experts=local the "
-          "cores its expert processes leave (at least 1)");
+          "torch and BLAS threads of this process; 0 = all cores, or with --experts=local, or "
+          "--experts=cluster with services on this host, the cores they leave (at least 1)");
 ABSL_FLAG(int, expert_threads, 1, "torch threads per spawned expert process");
 ABSL_FLAG(bool, blas_probe, true,
           "with BLIS and no BLIS_ARCH_TYPE set: time the kernel sets this CPU supports and keep "
@@ -334,6 +335,21 @@ absl::Status Run() {
     compute_options.threads =
         std::max(1, DefaultThreadCount() - absl::GetFlag(FLAGS_num_groups) *
                                                std::max(1, absl::GetFlag(FLAGS_expert_threads)));
+  }
+  if (compute_options.threads == 0 && mode == "cluster") {
+    // Services of the cluster file on this host keep their threads (as
+    // himoe-cluster gives them); the coordinator takes what they leave.
+    HIMOE_ASSIGN_OR_RETURN(const v1::ClusterConfig cluster,
+                           LoadClusterConfig(absl::GetFlag(FLAGS_cluster)));
+    int local_threads = 0;
+    for (const v1::GroupSpec& g : cluster.groups()) {
+      auto hp = ParseHostPort("cluster groups address", g.address());
+      if (hp.ok() && IsLocalHost(hp->host)) local_threads += ServiceThreads(cluster, g.threads());
+    }
+    if (local_threads > 0) {
+      local_threads += ServiceThreads(cluster, cluster.router().threads());
+      compute_options.threads = std::max(1, DefaultThreadCount() - local_threads);
+    }
   }
   // MFU is against the cores the run uses: with local expert processes, all.
   if (mode == "local") compute_options.gemm_threads = DefaultThreadCount();

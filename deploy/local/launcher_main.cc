@@ -121,7 +121,7 @@ struct Launcher {
     local::ExpertProcessOptions o;
     o.shape = ExpertShapeFromCluster(cluster);
     o.device = group.device();
-    o.threads = group.threads();
+    o.threads = ServiceThreads(cluster, group.threads());
     local::ServiceSpec spec;
     spec.name = absl::StrCat("expert group ", g);
     spec.log_path = absl::StrCat(log_dir, "/expert-", g, ".log");
@@ -161,6 +161,7 @@ struct Launcher {
         router_bin,
         absl::StrCat("--cluster=", cluster_path),
         absl::StrCat("--address=", router_address),
+        absl::StrCat("--threads=", ServiceThreads(cluster, cluster.router().threads())),
         absl::StrCat("--port_file=", spec.port_file),
         absl::StrCat("--metrics_port=", cluster.router().metrics_port()),
         absl::StrCat("--metrics_address=", metrics_host),

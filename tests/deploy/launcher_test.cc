@@ -34,6 +34,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/cpu_cores.h"
 #include "common/tensor_codec.h"
 #include "tests/http_get.h"
 #include "himoe/v1/expert.grpc.pb.h"
@@ -239,7 +240,7 @@ std::string BuildRoot() {
 
 // Group metrics ports: 0 = none.
 std::string SmallCluster(int group0_port, int group1_port, int router_port,
-                         int group0_metrics = 0, int group1_metrics = 0) {
+                         int group0_metrics = 0, int group1_metrics = 0, int threads = 1) {
   return absl::StrCat(R"(
 model {
   num_layers: 1
@@ -251,9 +252,9 @@ model {
   seed: 3
 }
 routing { method: "himoe" preset: "paper" }
-groups { address: "127.0.0.1:)", group0_port, R"(" threads: 1 metrics_port: )",
+groups { address: "127.0.0.1:)", group0_port, R"(" threads: )", threads, R"( metrics_port: )",
                       group0_metrics, R"( }
-groups { address: "127.0.0.1:)", group1_port, R"(" threads: 1 metrics_port: )",
+groups { address: "127.0.0.1:)", group1_port, R"(" threads: )", threads, R"( metrics_port: )",
                       group1_metrics, R"( }
 router { address: "127.0.0.1:)", router_port, R"(" metrics_port: 0 }
 )");
@@ -273,7 +274,7 @@ class LauncherTest : public ::testing::Test {
   // it; returns once it printed its ready line, with the service pids known.
   // With `group_metrics`, each group serves /metrics on a port of its own.
   void StartSmallCluster(LauncherProcess& launcher, const std::vector<std::string>& extra = {},
-                         bool group_metrics = false) {
+                         bool group_metrics = false, int threads = 1) {
     const size_t n = group_metrics ? 5 : 3;
     const std::vector<int> ports = FreeLoopbackPorts(n);
     ASSERT_EQ(ports.size(), n);
@@ -283,7 +284,7 @@ class LauncherTest : public ::testing::Test {
                                          : std::vector<int>{0, 0};
     cluster_file_ = dir_.path() + "/cluster.textproto";
     WriteFile(cluster_file_, SmallCluster(ports[0], ports[1], ports[2], group_metrics_ports_[0],
-                                          group_metrics_ports_[1]));
+                                          group_metrics_ports_[1], threads));
     log_dir_ = dir_.path() + "/logs";
     std::vector<std::string> args = {HIMOE_CLUSTER_BINARY, "--cluster=" + cluster_file_,
                                      "--log_dir=" + log_dir_,
@@ -324,6 +325,7 @@ TEST_F(LauncherTest, StartsServesAndStopsOnSigint) {
   const std::string expert_log = ReadFile(log_dir_ + "/expert-0.log");
   EXPECT_THAT(expert_log, HasSubstr(std::filesystem::canonical(HIMOE_EXPERT_BINARY).string()));
   EXPECT_THAT(expert_log, HasSubstr("--group_id=0"));
+  EXPECT_THAT(expert_log, HasSubstr("--threads=1 "));  // as the cluster file says
   // --address is host:port on every binary; the expert has no --port flag.
   EXPECT_THAT(expert_log, HasSubstr(absl::StrCat("--address=127.0.0.1:", group_ports_[0], " ")));
   EXPECT_THAT(expert_log, Not(HasSubstr("--port=")));
@@ -385,6 +387,22 @@ TEST_F(LauncherTest, StartsServesAndStopsOnSigint) {
   EXPECT_THAT(launcher.Stdout(), HasSubstr("himoe-cluster: stopped"));
   // Nothing was killed for being slow to stop.
   EXPECT_THAT(launcher.Stderr(), Not(HasSubstr("SIGKILL")));
+}
+
+// threads: 0 is a share of the host, not every core for every service: the
+// 2 groups and the router each get max(1, cores / 3); an explicit count is
+// passed as it is (StartsServesAndStopsOnSigint's threads: 1).
+TEST_F(LauncherTest, ThreadsZeroSharesTheHostsCoresAmongItsServices) {
+  LauncherProcess launcher;
+  ASSERT_NO_FATAL_FAILURE(StartSmallCluster(launcher, {}, false, /*threads=*/0));
+  const std::string share = absl::StrCat("--threads=", std::max(1, DefaultThreadCount() / 3), " ");
+  EXPECT_THAT(ReadFile(log_dir_ + "/expert-0.log"), HasSubstr(share));
+  EXPECT_THAT(ReadFile(log_dir_ + "/expert-1.log"), HasSubstr(share));
+  EXPECT_THAT(ReadFile(log_dir_ + "/router.log"), HasSubstr(share));
+  ASSERT_EQ(kill(launcher.pid(), SIGINT), 0);
+  const std::optional<int> status = launcher.WaitExit(kExitBound);
+  ASSERT_TRUE(status.has_value()) << launcher.Output();
+  EXPECT_EQ(WEXITSTATUS(*status), 0) << launcher.Output();
 }
 
 TEST_F(LauncherTest, StopsEverythingAndFailsWhenAServiceDies) {
