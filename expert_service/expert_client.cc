@@ -1,5 +1,6 @@
 #include "expert_service/expert_client.h"
 
+#include <algorithm>
 #include <utility>
 
 #include <grpcpp/client_context.h>
@@ -22,6 +23,7 @@ struct ExpertGroupClient::Call {
   bool failover = true;
   Done done;
   size_t replica = 0;
+  ExpertGroupClient::Deadline deadline = ExpertGroupClient::Deadline::max();
   std::unique_ptr<grpc::ClientContext> context;
   std::string errors;  // of replicas tried so far
 };
@@ -50,14 +52,15 @@ absl::StatusOr<std::unique_ptr<ExpertGroupClient>> ExpertGroupClient::Create(
 }
 
 void ExpertGroupClient::ForwardAsync(const v1::ExpertForwardRequest* request,
-                                     v1::ExpertForwardResponse* response, Done done) {
+                                     v1::ExpertForwardResponse* response, Done done,
+                                     Deadline deadline) {
   StartCall(
       [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
                           std::function<void(grpc::Status)> on_status) {
         response->Clear();
         stub->async()->Forward(context, request, response, std::move(on_status));
       },
-      /*failover=*/true, std::move(done));
+      /*failover=*/true, std::move(done), deadline);
 }
 
 void ExpertGroupClient::BackwardAsync(const v1::ExpertBackwardRequest* request,
@@ -80,17 +83,19 @@ void ExpertGroupClient::StepAsync(const v1::ExpertStepRequest* request,
       /*failover=*/false, std::move(done));
 }
 
-void ExpertGroupClient::StartCall(Start start, bool failover, Done done) {
+void ExpertGroupClient::StartCall(Start start, bool failover, Done done, Deadline deadline) {
   auto call = std::make_shared<Call>();
   call->start = std::move(start);
   call->failover = failover;
   call->done = std::move(done);
+  call->deadline = deadline;
   Attempt(std::move(call));
 }
 
 void ExpertGroupClient::Attempt(std::shared_ptr<Call> call) {
   call->context = std::make_unique<grpc::ClientContext>();
-  call->context->set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  call->context->set_deadline(
+      std::min(call->deadline, std::chrono::system_clock::now() + options_.deadline));
   call->start(stubs_[call->replica].get(), call->context.get(), [this, call](grpc::Status status) {
     if (status.ok()) {
       call->done(absl::OkStatus());

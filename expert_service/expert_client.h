@@ -37,12 +37,16 @@ class ExpertGroupClient {
       const ExpertGroupClientOptions& options);
 
   using Done = std::function<void(absl::Status)>;
+  using Deadline = std::chrono::system_clock::time_point;
   // Start a call; `done` runs once, on a gRPC thread. `request` and
   // `response` must outlive the call. Forward fails over to replicas; the
   // training calls (Backward, Step, Abort) stay on the first address, which
   // holds the saved activations and the optimizer.
+  // Each attempt's deadline is options.deadline from its start, or
+  // `deadline` if that comes first (a request's own deadline).
   void ForwardAsync(const v1::ExpertForwardRequest* request,
-                    v1::ExpertForwardResponse* response, Done done);
+                    v1::ExpertForwardResponse* response, Done done,
+                    Deadline deadline = Deadline::max());
   void BackwardAsync(const v1::ExpertBackwardRequest* request,
                      v1::ExpertBackwardResponse* response, Done done);
   void StepAsync(const v1::ExpertStepRequest* request, v1::ExpertStepResponse* response,
@@ -72,7 +76,7 @@ class ExpertGroupClient {
   using Start = std::function<void(v1::ExpertService::Stub*, grpc::ClientContext*,
                                    std::function<void(grpc::Status)>)>;
   explicit ExpertGroupClient(const ExpertGroupClientOptions& options) : options_(options) {}
-  void StartCall(Start start, bool failover, Done done);
+  void StartCall(Start start, bool failover, Done done, Deadline deadline = Deadline::max());
   void Attempt(std::shared_ptr<Call> call);
   absl::Status Named(const grpc::Status& status, size_t replica) const;
   // Info from the first replica that answers; sets *replica to its index.

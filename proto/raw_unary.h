@@ -1,6 +1,7 @@
 #ifndef HIMOE_PROTO_RAW_UNARY_H_
 #define HIMOE_PROTO_RAW_UNARY_H_
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <utility>
@@ -18,7 +19,8 @@ namespace himoe {
 // INVALID_ARGUMENT naming the message type. (The typed callback API answers
 // them with UNIMPLEMENTED and an empty message.) Then `handle(request,
 // response, done)` runs; `done(status)` may be called from any thread, once:
-// it serializes the response when the status is OK and finishes the call.
+// it serializes the response when the status is OK and finishes the call. A
+// call whose deadline passed before it got here is not handled.
 template <class Request, class Response>
 grpc::ServerUnaryReactor* ServeUnary(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
@@ -38,6 +40,11 @@ grpc::ServerUnaryReactor* ServeUnary(
         grpc::StatusCode::INVALID_ARGUMENT,
         absl::StrCat("request: ", size, " bytes do not parse as ",
                      Request::descriptor()->full_name())));
+    return reactor;
+  }
+  if (context->deadline() <= std::chrono::system_clock::now()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                 "the call's deadline passed before it was served; not computed"));
     return reactor;
   }
   handle(call->request, &call->response, [call, reactor, raw_response](const absl::Status& s) {

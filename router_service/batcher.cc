@@ -1,10 +1,12 @@
 #include "router_service/batcher.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
 
+#include "absl/strings/str_cat.h"
 #include "common/torch_runtime.h"
 
 namespace himoe::router {
@@ -21,10 +23,11 @@ Batcher::~Batcher() {
   worker_.join();
 }
 
-void Batcher::Submit(int layer, at::Tensor x, Done done) {
+void Batcher::Submit(int layer, at::Tensor x, Done done, Deadline deadline) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back({layer, std::move(x), std::move(done), std::chrono::steady_clock::now()});
+    queue_.push_back(
+        {layer, std::move(x), std::move(done), std::chrono::steady_clock::now(), deadline});
   }
   cv_.notify_all();
 }
@@ -38,6 +41,29 @@ void Batcher::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    // Requests whose deadline passed while they waited are answered, not run.
+    std::vector<Item> late;
+    const Deadline now = std::chrono::system_clock::now();
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if (it->deadline > now) {
+        ++it;
+        continue;
+      }
+      late.push_back(std::move(*it));
+      it = queue_.erase(it);
+    }
+    if (!late.empty()) {
+      lock.unlock();
+      for (Item& item : late) {
+        const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+            std::chrono::steady_clock::now() - item.enqueued);
+        item.done(absl::DeadlineExceededError(absl::StrCat(
+            "the request's deadline passed after ", waited.count(),
+            " ms in the batch queue, behind the batch in flight; not computed")));
+      }
+      lock.lock();
+      continue;
+    }
     if (queue_.empty()) return;  // stopping, nothing left
     const int layer = queue_.front().layer;
     const auto deadline = queue_.front().enqueued + options_.max_queue_delay;
@@ -83,7 +109,10 @@ void Batcher::Run(std::vector<Item> batch) {
   if (options_.on_batch) options_.on_batch(tokens, static_cast<int64_t>(batch.size()));
   absl::StatusOr<LayerResult> result;
   const absl::Status caught = CatchTorchErrors([&] {
-    result = compute_(batch.front().layer, inputs.size() == 1 ? inputs[0] : at::cat(inputs));
+    Deadline deadline = Deadline::min();
+    for (const Item& item : batch) deadline = std::max(deadline, item.deadline);
+    result = compute_(batch.front().layer, inputs.size() == 1 ? inputs[0] : at::cat(inputs),
+                      deadline);
     return absl::OkStatus();
   });
   if (!caught.ok()) result = caught;

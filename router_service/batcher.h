@@ -36,13 +36,18 @@ struct BatcherOptions {
 // its own rows back.
 class Batcher {
  public:
-  using Compute = std::function<absl::StatusOr<LayerResult>(int layer, const at::Tensor& x)>;
+  using Deadline = std::chrono::system_clock::time_point;
+  // `deadline`: the latest of the batch's requests' deadlines.
+  using Compute = std::function<absl::StatusOr<LayerResult>(int layer, const at::Tensor& x,
+                                                            Deadline deadline)>;
   using Done = std::function<void(absl::StatusOr<LayerResult>)>;
 
   Batcher(const BatcherOptions& options, Compute compute);
   ~Batcher();  // finishes queued work, then stops
 
-  void Submit(int layer, at::Tensor x, Done done);
+  // A request whose `deadline` passes while it is queued is not computed: its
+  // `done` gets DEADLINE_EXCEEDED.
+  void Submit(int layer, at::Tensor x, Done done, Deadline deadline = Deadline::max());
 
   int64_t batches() const;  // computations run so far
 
@@ -52,6 +57,7 @@ class Batcher {
     at::Tensor x;
     Done done;
     std::chrono::steady_clock::time_point enqueued;
+    Deadline deadline;
   };
   void Loop();
   void Run(std::vector<Item> batch);

@@ -66,7 +66,8 @@ absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x,
   return Forward(layer, x);
 }
 
-absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x) {
+absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x,
+                                             expert::ExpertGroupClient::Deadline deadline) {
   if (layer < 0 || layer >= num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer: ", layer, " is not served; layers are [0, ", num_layers(), ")"));
@@ -75,7 +76,7 @@ absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x) {
   HIMOE_ASSIGN_OR_RETURN(out.routing, routers_[layer]->Route(x, /*training=*/false));
   if (observer_ != nullptr) observer_->OnRouted(layer, out.routing.stats);
   HIMOE_ASSIGN_OR_RETURN(ChunkCalls calls, BuildCalls(layer, x, out.routing));
-  HIMOE_RETURN_IF_ERROR(SendAll(calls, out.routing));
+  HIMOE_RETURN_IF_ERROR(SendAll(calls, out.routing, deadline));
   HIMOE_ASSIGN_OR_RETURN(const std::vector<at::Tensor> outputs, GroupOutputs(calls));
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     out.output = CombineGroupOutputs(x.size(0), x.size(1), out.routing.groups, outputs);
@@ -115,7 +116,8 @@ absl::StatusOr<RemoteMoE::ChunkCalls> RemoteMoE::BuildCalls(int layer, const at:
   return calls;
 }
 
-absl::Status RemoteMoE::SendAll(ChunkCalls& calls, const RoutingOutput& routing) {
+absl::Status RemoteMoE::SendAll(ChunkCalls& calls, const RoutingOutput& routing,
+                                expert::ExpertGroupClient::Deadline deadline) {
   using Clock = std::chrono::steady_clock;
   std::mutex mu;
   const Clock::time_point start = Clock::now();
@@ -130,7 +132,8 @@ absl::Status RemoteMoE::SendAll(ChunkCalls& calls, const RoutingOutput& routing)
           }
           c->status = s;
           done(std::move(s));
-        });
+        },
+        deadline);
   }).IgnoreError();  // each call's status is checked below, in call order
   if (observer_ != nullptr) {
     for (size_t g = 0; g < groups_.size(); ++g) {

@@ -45,7 +45,11 @@ class RemoteMoE final : public model::MoELayers {
  public:
   static absl::StatusOr<std::unique_ptr<RemoteMoE>> Create(const RemoteMoEOptions& options);
 
-  absl::StatusOr<MoEOutput> Forward(int layer, const at::Tensor& x);
+  // Every group call ends by `deadline` at the latest (besides each group's
+  // own deadline).
+  absl::StatusOr<MoEOutput> Forward(
+      int layer, const at::Tensor& x,
+      expert::ExpertGroupClient::Deadline deadline = expert::ExpertGroupClient::Deadline::max());
 
   // model::MoELayers
   int num_layers() const override { return static_cast<int>(routers_.size()); }
@@ -75,7 +79,8 @@ class RemoteMoE final : public model::MoELayers {
   absl::StatusOr<ChunkCalls> BuildCalls(int layer, const at::Tensor& x,
                                         const RoutingOutput& routing);
   // Sends every call at once and waits for all; reports per-group latency.
-  absl::Status SendAll(ChunkCalls& calls, const RoutingOutput& routing);
+  absl::Status SendAll(ChunkCalls& calls, const RoutingOutput& routing,
+                       expert::ExpertGroupClient::Deadline deadline);
   // Each group's outputs, row-aligned with its dispatch (undefined if none).
   absl::StatusOr<std::vector<at::Tensor>> GroupOutputs(const ChunkCalls& calls);
 

@@ -217,13 +217,19 @@ grpc::ServerUnaryReactor* RouterGrpcService::RouteForward(grpc::CallbackServerCo
                                                           grpc::ByteBuffer* response) {
   return ServeUnary<v1::RouteForwardRequest, v1::RouteForwardResponse>(
       context, request, response,
-      [this](const v1::RouteForwardRequest& q, v1::RouteForwardResponse* r,
-             std::function<void(const absl::Status&)> done) { Route(q, r, std::move(done)); });
+      [this, context](const v1::RouteForwardRequest& q, v1::RouteForwardResponse* r,
+                      std::function<void(const absl::Status&)> done) {
+        // The whole request (queue, routing, every group call) is bounded by
+        // the groups' deadline, or the client's if that comes first.
+        Route(q, r, std::min(context->deadline(),
+                             std::chrono::system_clock::now() + request_deadline_),
+              std::move(done));
+      });
 }
 
 void RouterGrpcService::Route(const v1::RouteForwardRequest& request,
-                                     v1::RouteForwardResponse* response,
-                                     std::function<void(const absl::Status&)> done) {
+                              v1::RouteForwardResponse* response, Batcher::Deadline deadline,
+                              std::function<void(const absl::Status&)> done) {
   const auto start = std::chrono::steady_clock::now();
   RouterMetrics* metrics = metrics_;
   const auto finish = [done = std::move(done), metrics, start](const absl::Status& status) {
@@ -265,7 +271,7 @@ void RouterGrpcService::Route(const v1::RouteForwardRequest& request,
       if (status.ok()) status = EncodeTensor(result->weights, response->mutable_weights());
     }
     finish(status);
-  });
+  }, deadline);
 }
 
 absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(
@@ -290,9 +296,11 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(
     };
   }
   server->batcher_ = std::make_unique<Batcher>(
-      batching, [moe](int layer, const at::Tensor& x) -> absl::StatusOr<LayerResult> {
+      batching,
+      [moe](int layer, const at::Tensor& x,
+            Batcher::Deadline deadline) -> absl::StatusOr<LayerResult> {
         at::NoGradGuard no_grad;
-        HIMOE_ASSIGN_OR_RETURN(MoEOutput out, moe->Forward(layer, x));
+        HIMOE_ASSIGN_OR_RETURN(MoEOutput out, moe->Forward(layer, x, deadline));
         return LayerResult{out.output, out.routing.expert_ids,
                            out.routing.weights.detach().to(at::kFloat)};
       });

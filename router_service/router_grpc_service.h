@@ -1,6 +1,7 @@
 #ifndef HIMOE_ROUTER_SERVICE_ROUTER_GRPC_SERVICE_H_
 #define HIMOE_ROUTER_SERVICE_ROUTER_GRPC_SERVICE_H_
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -54,7 +55,11 @@ class RouterGrpcService final
         batcher_(batcher),
         metrics_(metrics),
         max_tokens_(max_tokens),
-        generator_(std::move(generator)) {}
+        generator_(std::move(generator)) {
+    for (const auto& g : moe->options().groups) {
+      request_deadline_ = std::max(request_deadline_, g.deadline);
+    }
+  }
 
   // Unary methods are registered raw: bytes that do not parse as the request
   // message get INVALID_ARGUMENT naming it (ServeUnary).
@@ -72,12 +77,14 @@ class RouterGrpcService final
   // Validates, batches, and calls `done` once (from the batcher's thread
   // when the request was valid).
   void Route(const v1::RouteForwardRequest& request, v1::RouteForwardResponse* response,
-                    std::function<void(const absl::Status&)> done);
+             Batcher::Deadline deadline, std::function<void(const absl::Status&)> done);
 
   RemoteMoE* moe_;
   Batcher* batcher_;
   RouterMetrics* metrics_;  // may be null
   int64_t max_tokens_;
+  // Bounds a RouteForward from its arrival: the groups' (largest) deadline.
+  std::chrono::milliseconds request_deadline_{0};
   std::shared_ptr<model::TextGenerator> generator_;  // may be null
 };
 

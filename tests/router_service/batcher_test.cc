@@ -21,7 +21,8 @@ TEST(BatcherTest, MergesQueuedRequestsOfTheSameLayerAndSplitsResults) {
   options.max_batch_tokens = 100;
   options.max_queue_delay = std::chrono::microseconds(0);
   auto batcher = std::make_unique<Batcher>(
-      options, [&](int layer, const at::Tensor& x) -> absl::StatusOr<LayerResult> {
+      options, [&](int layer, const at::Tensor& x,
+                   Batcher::Deadline) -> absl::StatusOr<LayerResult> {
         std::unique_lock<std::mutex> lock(mu);
         computed.push_back({layer, x.size(0)});
         cv.notify_all();
@@ -67,7 +68,8 @@ TEST(BatcherTest, MergesQueuedRequestsOfTheSameLayerAndSplitsResults) {
 
 TEST(BatcherTest, ErrorsReachEveryCallerOfTheBatch) {
   BatcherOptions options;
-  Batcher batcher(options, [](int, const at::Tensor&) -> absl::StatusOr<LayerResult> {
+  Batcher batcher(options, [](int, const at::Tensor&,
+                              Batcher::Deadline) -> absl::StatusOr<LayerResult> {
     return absl::UnavailableError("expert group 1 unreachable");
   });
   std::mutex mu;
@@ -86,6 +88,53 @@ TEST(BatcherTest, ErrorsReachEveryCallerOfTheBatch) {
   cv.wait_for(lock, std::chrono::seconds(30), [&] { return done == 3; });
   EXPECT_EQ(done, 3);
   EXPECT_EQ(last.code(), absl::StatusCode::kUnavailable);
+}
+
+// A request whose deadline passed while it waited behind the batch in flight
+// is answered DEADLINE_EXCEEDED and never computed; the others of its layer
+// are, with the latest of their deadlines.
+TEST(BatcherTest, ARequestThatExpiredInTheQueueIsNotComputed) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  std::vector<int64_t> computed;  // rows per batch
+  std::vector<Batcher::Deadline> deadlines;
+  BatcherOptions options;
+  options.max_queue_delay = std::chrono::microseconds(0);
+  auto batcher = std::make_unique<Batcher>(
+      options, [&](int, const at::Tensor& x, Batcher::Deadline d) -> absl::StatusOr<LayerResult> {
+        std::unique_lock<std::mutex> lock(mu);
+        computed.push_back(x.size(0));
+        deadlines.push_back(d);
+        cv.notify_all();
+        cv.wait(lock, [&] { return release; });
+        return LayerResult{x, at::zeros({x.size(0), 1}, at::kLong), at::ones({x.size(0), 1})};
+      });
+  std::vector<absl::StatusOr<LayerResult>> results(4, absl::UnknownError("unset"));
+  batcher->Submit(0, at::randn({1, 3}), [&](auto r) { results[0] = std::move(r); });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(30), [&] { return !computed.empty(); });
+  }
+  const auto now = std::chrono::system_clock::now();
+  const auto later = now + std::chrono::hours(1);
+  batcher->Submit(0, at::randn({2, 3}), [&](auto r) { results[1] = std::move(r); }, now);
+  batcher->Submit(0, at::randn({3, 3}), [&](auto r) { results[2] = std::move(r); }, later);
+  batcher->Submit(0, at::randn({4, 3}), [&](auto r) { results[3] = std::move(r); },
+                  later - std::chrono::minutes(1));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  batcher.reset();  // drains the queue
+  ASSERT_EQ(computed, (std::vector<int64_t>{1, 7}));
+  EXPECT_EQ(deadlines[0], Batcher::Deadline::max());  // no deadline given
+  EXPECT_EQ(deadlines[1], later);
+  EXPECT_EQ(results[1].status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(results[1].status().message().find("not computed"), std::string::npos);
+  for (int i : {0, 2, 3}) EXPECT_TRUE(results[i].ok()) << i << ": " << results[i].status();
+  EXPECT_EQ(results[3]->output.size(0), 4);
 }
 
 }  // namespace

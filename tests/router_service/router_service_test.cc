@@ -345,6 +345,7 @@ class StallingExpert final : public v1::ExpertService::CallbackService {
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
                                     const v1::ExpertForwardRequest*,
                                     v1::ExpertForwardResponse*) override {
+    calls.fetch_add(1);
     auto* reactor = context->DefaultReactor();
     std::thread([reactor] {
       std::this_thread::sleep_for(std::chrono::seconds(2));
@@ -352,6 +353,7 @@ class StallingExpert final : public v1::ExpertService::CallbackService {
     }).detach();
     return reactor;
   }
+  std::atomic<int> calls{0};
 };
 
 TEST_F(RouterServiceTest, SlowGroupIsDeadlineExceededNamingIt) {
@@ -370,6 +372,41 @@ TEST_F(RouterServiceTest, SlowGroupIsDeadlineExceededNamingIt) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("expert group 3"));
   EXPECT_THAT(std::string(r.status().message()), HasSubstr(Loopback(port)));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
+}
+
+// The client's deadline bounds its whole request: a request that expires
+// while it waits behind the batch in flight is not sent to any group.
+TEST_F(RouterServiceTest, ARequestThatExpiredInTheQueueIsNotComputed) {
+  StallingExpert stalling;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&stalling);
+  auto server = builder.BuildAndStart();
+  RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+  o.moe.groups[3].addresses = {Loopback(port)};
+  o.moe.groups[3].deadline = std::chrono::milliseconds(1000);
+  o.verify_groups = false;
+  StartRouter(o);
+  const at::Tensor x = at::randn({32, kD});  // himoe: every group gets rows
+  auto first = std::async(std::launch::async, [&] { return Route(0, x); });
+  while (stalling.calls.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  {  // queued behind `first`, which holds the batcher until group 3's deadline
+    v1::RouteForwardRequest request;
+    request.set_layer(0);
+    ASSERT_TRUE(EncodeTensor(x, request.mutable_hidden()).ok());
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+    v1::RouteForwardResponse response;
+    EXPECT_EQ(stub_->RouteForward(&context, request, &response).error_code(),
+              grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  EXPECT_EQ(first.get().status().code(), absl::StatusCode::kDeadlineExceeded);
+  // The batcher serves in order: once a later request reached group 3, the
+  // expired one was dealt with, and it never got there.
+  EXPECT_EQ(Route(0, x).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(stalling.calls.load(), 2);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(3));
 }
 
