@@ -330,13 +330,22 @@ absl::Status RouterServer::Listen(const RouterServerOptions& options) {
   if (server_ == nullptr || port_ == 0) {
     return absl::UnavailableError(absl::StrCat("router: cannot listen on ", options.address));
   }
+  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+    health->SetServingStatus(v1::RouterService::service_full_name(), true);
+    health->SetServingStatus(true);
+  }
   return absl::OkStatus();
 }
 
 void RouterServer::Shutdown() {
-  if (server_ != nullptr) {
+  if (server_ == nullptr) return;
+  std::call_once(shutdown_once_, [&] {
+    // NOT_SERVING first, so that health checks see the router going away.
+    if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+      health->Shutdown();
+    }
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  }
+  });
 }
 
 RouterServer::~RouterServer() {

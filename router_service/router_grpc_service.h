@@ -5,6 +5,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -118,6 +119,7 @@ class RouterServer {
   std::unique_ptr<RouterGrpcService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
+  std::once_flag shutdown_once_;
 };
 
 // Validates a RouteForward request's hidden states: a finite [T, d_model]

@@ -41,12 +41,17 @@ except ImportError as e:  # pragma: no cover - reported, not raised
         "this with /usr/bin/python3\n" % (e.name, sys.executable))
     sys.exit(1)
 
-PROTOS = ("himoe/v1/tensor.proto", "himoe/v1/router.proto")
+# Every proto the project ships, as the README's stub command compiles them
+# (cluster.proto is proto2 so that old protoc releases accept it).
+PROTOS = ("himoe/v1/tensor.proto", "himoe/v1/model.proto", "himoe/v1/expert.proto",
+          "himoe/v1/router.proto", "himoe/v1/cluster.proto", "grpc_health/v1/health.proto")
 
 # Filled by load_stubs().
 tensor_pb2 = None
 router_pb2 = None
 router_pb2_grpc = None
+health_pb2 = None
+health_pb2_grpc = None
 
 RouteResult = collections.namedtuple("RouteResult", ["output", "expert_ids", "weights"])
 
@@ -72,7 +77,7 @@ def load_stubs(out_dir):
     """Imports the generated modules. grpc_tools writes himoe/v1/<name>_pb2.py and
     <name>_pb2_grpc.py (no __init__.py: namespace packages); newer versions may
     emit the gRPC classes elsewhere, so both layouts are looked up."""
-    global tensor_pb2, router_pb2, router_pb2_grpc
+    global tensor_pb2, router_pb2, router_pb2_grpc, health_pb2, health_pb2_grpc
     out_dir = os.path.abspath(out_dir)
     if out_dir not in sys.path:
         sys.path.insert(0, out_dir)
@@ -83,6 +88,8 @@ def load_stubs(out_dir):
         router_pb2_grpc = importlib.import_module("himoe.v1.router_pb2_grpc")
     except ImportError:
         router_pb2_grpc = router_pb2  # very old plugins put the stub in _pb2
+    health_pb2 = importlib.import_module("grpc_health.v1.health_pb2")
+    health_pb2_grpc = importlib.import_module("grpc_health.v1.health_pb2_grpc")
     if not hasattr(router_pb2_grpc, "RouterServiceStub"):
         raise ClientError("generated code has no RouterServiceStub (looked in %s)" %
                           router_pb2_grpc.__file__)
@@ -170,9 +177,21 @@ def info(stub, timeout=30.0):
     return stub.Info(router_pb2.RouterInfoRequest(), timeout=timeout)
 
 
+def health(address, service="", timeout=30.0):
+    """grpc.health.v1 status name of `service` ("" = the server) at address."""
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 # --- the check ----------------------------------------------------------------
 
 def check(stub, args):
+    for service in ("", "himoe.v1.RouterService"):
+        status = health(args.router, service)
+        if status != "SERVING":
+            raise ClientError("health of '%s' is %s, expected SERVING" % (service, status))
+    print("health: SERVING (server and himoe.v1.RouterService)")
     router_info = info(stub)
     d = router_info.d_model
     K = router_info.num_groups * router_info.top_k
