@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -11,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <glog/logging.h>
@@ -32,6 +34,7 @@
 #include "common/program.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
+#include "expert_service/expert_client.h"
 #include "deploy/local/local_cluster.h"
 #include "model/checkpoint_reader.h"
 #include "model/model_config.h"
@@ -111,6 +114,14 @@ ABSL_FLAG(int, expert_metrics_port, -1,
 ABSL_FLAG(int64_t, checkpoint_every, 0, "checkpoint every N steps (and at the end); 0 = off");
 ABSL_FLAG(int, keep_checkpoints, 3, "checkpoints kept (the newest)");
 ABSL_FLAG(bool, resume, false, "resume from the newest checkpoint in <out_dir>/checkpoints");
+ABSL_FLAG(std::string, on_group_failure, "",
+          "when an expert group fails (UNAVAILABLE or DEADLINE_EXCEEDED): fail, or "
+          "wait_and_resume (abort the step, wait for the group to serve again, restarting it "
+          "with --experts=local, reload the last checkpoint, or step 0 without one, and go on); "
+          "empty = wait_and_resume with --experts=local, fail otherwise");
+ABSL_FLAG(int, max_group_restarts, 3, "group failures wait_and_resume recovers from, then fails");
+ABSL_FLAG(int, group_wait_s, 300,
+          "wait_and_resume: seconds to wait for the groups to serve again");
 ABSL_FLAG(int64_t, log_every, 10, "progress line every N steps when not on a terminal");
 
 namespace himoe::trainer {
@@ -264,6 +275,43 @@ absl::StatusOr<double> Evaluate(Trainer& trainer, int64_t step, RunLog& log,
 
 // Steps until options.steps, evaluating, checkpointing and reporting progress
 // on the way; returns the last validation loss.
+// A step, evaluation or checkpoint that failed because a group went away or
+// did not answer in time: what --on_group_failure=wait_and_resume recovers.
+bool IsGroupFailure(const absl::Status& status) {
+  return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
+}
+
+// Until every group serves again: with --experts=local, the exited processes
+// are started again on their addresses; otherwise each address is asked for
+// Info until it answers, for up to --group_wait_s.
+absl::Status WaitForGroups(const TrainerOptions& o, local::LocalExpertCluster* spawned) {
+  if (spawned != nullptr) {
+    HIMOE_ASSIGN_OR_RETURN(const std::vector<int> restarted, spawned->RestartExited());
+    std::cerr << "restarted expert group(s) " << absl::StrJoin(restarted, ", ") << "\n";
+  }
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_group_wait_s));
+  for (size_t g = 0; g < o.expert_addresses.size(); ++g) {
+    expert::ExpertGroupClientOptions co;
+    co.group_id = static_cast<int>(g);
+    co.addresses = {o.expert_addresses[g]};
+    co.deadline = std::chrono::milliseconds(2000);
+    HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(co));
+    absl::Status status = client->Info().status();
+    while (!status.ok()) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "--on_group_failure=wait_and_resume: expert group ", g, " did not serve again within ",
+            absl::GetFlag(FLAGS_group_wait_s), " s: ", status.message()));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      status = client->Info().status();
+    }
+  }
+  std::cerr << "every expert group serves again\n";
+  return absl::OkStatus();
+}
+
 absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
                                  TrainerMetrics* metrics, local::LocalExpertCluster* spawned,
                                  const std::string& checkpoints) {
@@ -368,29 +416,64 @@ absl::Status Run() {
   // Metrics first, so the RPC latencies of the first step are seen.
   MetricsEndpoint endpoint;
   HIMOE_RETURN_IF_ERROR(StartMetrics(&o, &endpoint));
-  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(o));
   const std::string checkpoints = absl::StrCat(out_dir, "/checkpoints");
-  if (absl::GetFlag(FLAGS_resume)) {
-    HIMOE_ASSIGN_OR_RETURN(const std::string dir, model::LatestCheckpoint(checkpoints));
-    HIMOE_RETURN_IF_ERROR(LoadCheckpoint(*trainer, dir));
-    std::cerr << "resumed from " << dir << " at step " << trainer->step() << "\n";
+  std::string on_failure = absl::GetFlag(FLAGS_on_group_failure);
+  if (on_failure.empty()) on_failure = mode == "local" ? "wait_and_resume" : "fail";
+  if (on_failure != "fail" && on_failure != "wait_and_resume") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--on_group_failure: expected fail or wait_and_resume, got '", on_failure, "'"));
   }
+  if (on_failure == "wait_and_resume" && mode == "inprocess") on_failure = "fail";
+  TrainerMetrics* metrics = endpoint.metrics.get();
+  std::unique_ptr<Trainer> trainer;
+  std::unique_ptr<RunLog> log;
+  // Creates the trainer (which begins a run on every group), resumes it from
+  // the newest checkpoint when asked (or after a group failure, when there is
+  // one), and evaluates where it starts.
+  const auto start = [&](bool resume) -> absl::StatusOr<double> {
+    log.reset();
+    trainer.reset();
+    HIMOE_ASSIGN_OR_RETURN(trainer, Trainer::Create(o));
+    if (resume) {
+      HIMOE_ASSIGN_OR_RETURN(const std::string dir, model::LatestCheckpoint(checkpoints));
+      HIMOE_RETURN_IF_ERROR(LoadCheckpoint(*trainer, dir));
+      std::cerr << "resumed from " << dir << " at step " << trainer->step() << "\n";
+    }
+    HIMOE_ASSIGN_OR_RETURN(log, RunLog::Create(absl::StrCat(out_dir, "/metrics.jsonl"), o.steps,
+                                               50,
+                                               resume ? std::optional<int64_t>(trainer->step())
+                                                      : std::nullopt));
+    log->OnConfig(RunConfigFor(trainer->options(), trainer->step()));
+    log->OnCompute(compute, trainer->flops_per_token());
+    HIMOE_ASSIGN_OR_RETURN(const double val, Evaluate(*trainer, trainer->step(), *log, metrics));
+    std::cerr << absl::StrFormat("step %d: val loss %.4f, val ppl %.3f\n", trainer->step(), val,
+                                 std::exp(val));
+    return val;
+  };
+  HIMOE_ASSIGN_OR_RETURN(const double first_val, start(absl::GetFlag(FLAGS_resume)));
   std::cerr << trainer->corpus().Describe() << "\n"
             << "routing: " << router::RoutingConfigDebugString(o.model.routing) << "\n";
-  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<RunLog> log,
-                         RunLog::Create(absl::StrCat(out_dir, "/metrics.jsonl"), o.steps, 50,
-                                        absl::GetFlag(FLAGS_resume)
-                                            ? std::optional<int64_t>(trainer->step())
-                                            : std::nullopt));
-  log->OnConfig(RunConfigFor(trainer->options(), trainer->step()));
-  log->OnCompute(compute, trainer->flops_per_token());
-  TrainerMetrics* metrics = endpoint.metrics.get();
-  HIMOE_ASSIGN_OR_RETURN(const double first_val,
-                         Evaluate(*trainer, trainer->step(), *log, metrics));
-  std::cerr << absl::StrFormat("step %d: val loss %.4f, val ppl %.3f\n", trainer->step(),
-                               first_val, std::exp(first_val));
-  HIMOE_ASSIGN_OR_RETURN(const double val, TrainLoop(*trainer, first_val, *log, metrics,
-                                                     spawned.get(), checkpoints));
+  absl::StatusOr<double> trained = TrainLoop(*trainer, first_val, *log, metrics, spawned.get(),
+                                             checkpoints);
+  for (int failures = 1; !trained.ok() && on_failure == "wait_and_resume" &&
+                         IsGroupFailure(trained.status());
+       ++failures) {
+    std::cerr << "\nexpert group failure at step " << trainer->step() + 1 << " ("
+              << failures << " of at most " << absl::GetFlag(FLAGS_max_group_restarts)
+              << " recovered): " << trained.status() << "\n";
+    if (failures > absl::GetFlag(FLAGS_max_group_restarts)) {
+      return absl::Status(trained.status().code(),
+                          absl::StrCat("giving up after ", failures - 1,
+                                       " recovered group failures: ", trained.status().message()));
+    }
+    HIMOE_RETURN_IF_ERROR(WaitForGroups(o, spawned.get()));
+    const bool has_checkpoint = model::LatestCheckpoint(checkpoints).ok();
+    absl::StatusOr<double> resumed = start(has_checkpoint);
+    trained = resumed.ok() ? TrainLoop(*trainer, *resumed, *log, metrics, spawned.get(),
+                                       checkpoints)
+                           : resumed.status();
+  }
+  HIMOE_ASSIGN_OR_RETURN(const double val, std::move(trained));
   std::cerr << "\n" << log->FinalReport();
   HIMOE_ASSIGN_OR_RETURN(const int64_t coordinator_rss, PeakRssBytes());
   std::vector<int64_t> expert_rss;

@@ -68,6 +68,8 @@ absl::StatusOr<std::unique_ptr<LocalExpertCluster>> LocalExpertCluster::Start(
 
 absl::Status LocalExpertCluster::StartGroups(const ExpertProcessOptions& options,
                                              const std::string& binary) {
+  options_ = options;
+  binary_ = binary;
   const int m = options.shape.num_groups();
   const bool metrics = options.metrics_port_base >= 0;
   for (int g = 0; g < m; ++g) {
@@ -100,6 +102,31 @@ absl::Status LocalExpertCluster::StartGroups(const ExpertProcessOptions& options
   }
   pids_ = services_.pids();
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int>> LocalExpertCluster::RestartExited() {
+  if (services_.stopped()) {
+    return absl::FailedPreconditionError("the local expert processes were stopped");
+  }
+  std::vector<int> restarted;
+  for (const size_t g : services_.Ended()) {
+    const ServicePorts& ports = *services_[g].ports;  // known: the group was ready once
+    std::vector<std::string> argv =
+        ExpertCommandLine(binary_, options_, static_cast<int>(g), kLocalHost, ports.port,
+                          services_[g].spec.port_file);
+    if (options_.metrics_port_base >= 0) {
+      argv.push_back(absl::StrCat("--metrics_port=", ports.metrics_port));
+      argv.push_back(absl::StrCat("--metrics_address=", kLocalHost));
+    }
+    HIMOE_RETURN_IF_ERROR(services_.Restart(g, std::move(argv)));
+    restarted.push_back(static_cast<int>(g));
+  }
+  if (restarted.empty()) return restarted;
+  HIMOE_RETURN_IF_ERROR(services_.WaitUntilReady(
+      std::chrono::steady_clock::now() + options_.ready_timeout, options_.ready_timeout,
+      kReadyPoll));
+  pids_ = services_.pids();
+  return restarted;
 }
 
 LocalExpertCluster::~LocalExpertCluster() { Stop(); }

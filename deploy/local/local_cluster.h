@@ -49,6 +49,10 @@ class LocalExpertCluster {
   const std::string& log_dir() const { return log_dir_; }
   // An error naming the group if one of the processes has exited.
   absl::Status CheckAlive();
+  // Starts every group process that has exited again, on its first address
+  // (so clients reconnect by themselves), and waits until each serves; the
+  // groups restarted (none if all run).
+  absl::StatusOr<std::vector<int>> RestartExited();
   void Stop();
 
  private:
@@ -59,6 +63,8 @@ class LocalExpertCluster {
   std::vector<std::string> metrics_addresses_;
   std::vector<int> pids_;
   std::string log_dir_;
+  ExpertProcessOptions options_;
+  std::string binary_;
   ServiceSet services_;  // group g = services_[g]
 };
 

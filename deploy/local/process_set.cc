@@ -402,6 +402,33 @@ absl::Status ServiceSet::CheckAlive() {
   return absl::OkStatus();
 }
 
+std::vector<size_t> ServiceSet::Ended() {
+  std::vector<size_t> ended;
+  for (size_t i = 0; i < services_.size(); ++i) {
+    if (services_[i].process.started() && services_[i].process.Reap()) ended.push_back(i);
+  }
+  return ended;
+}
+
+absl::Status ServiceSet::Restart(size_t i, std::vector<std::string> argv) {
+  Service& s = services_.at(i);
+  s.process.Kill();
+  if (!s.spec.port_file.empty()) std::remove(s.spec.port_file.c_str());
+  // The ended process's log stays, as <log>.previous.
+  std::rename(s.spec.log_path.c_str(), (s.spec.log_path + ".previous").c_str());
+  s.spec.argv = std::move(argv);
+  s.process = ChildProcess(s.spec.name, s.spec.log_path, s.spec.pid_file);
+  s.ports.reset();
+  s.ready = false;
+  s.channel.reset();
+  if (const absl::Status status = s.process.Spawn(s.spec.argv); !status.ok()) {
+    return absl::Status(status.code(),
+                        absl::StrCat("cannot restart ", s.spec.name, ": ", status.message()));
+  }
+  stopped_ = false;
+  return absl::OkStatus();
+}
+
 void ServiceSet::Stop(const StopOptions& options) {
   if (stopped_) return;
   stopped_ = true;

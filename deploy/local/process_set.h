@@ -154,6 +154,13 @@ class ServiceSet {
   // ended, its log tail); OK while all run.
   absl::Status CheckAlive();
 
+  // Indices of the services that have ended (reaped now or before).
+  std::vector<size_t> Ended();
+  // Starts service i again with `argv` (e.g. its first port, now known, in
+  // place of port 0), after killing what is left of it; its log so far is
+  // kept as <log>.previous. It is not ready until WaitUntilReady probes it.
+  absl::Status Restart(size_t i, std::vector<std::string> argv);
+
   // Stops every service still running; idempotent.
   void Stop(const StopOptions& options = StopOptions());
   bool stopped() const { return stopped_; }
