@@ -35,6 +35,8 @@ absl::StatusOr<std::unique_ptr<ExpertGroupClient>> ExpertGroupClient::Create(
         absl::StrCat("group ", options.group_id, ": no address given"));
   }
   std::unique_ptr<ExpertGroupClient> client(new ExpertGroupClient(options));
+  HIMOE_ASSIGN_OR_RETURN(const std::shared_ptr<grpc::ChannelCredentials> credentials,
+                         MakeChannelCredentials(options.tls));
   for (const std::string& address : options.addresses) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(options.max_message_bytes);
@@ -44,7 +46,7 @@ absl::StatusOr<std::unique_ptr<ExpertGroupClient>> ExpertGroupClient::Create(
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     auto channel =
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+        grpc::CreateCustomChannel(address, credentials, args);
     client->stubs_.push_back(v1::ExpertService::NewStub(channel));
     client->channels_.push_back(std::move(channel));
   }

@@ -15,6 +15,7 @@
 #include "common/named_tensor.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "himoe/v1/model.pb.h"
+#include "proto/tls_credentials.h"
 
 namespace himoe::expert {
 
@@ -24,6 +25,8 @@ struct ExpertGroupClientOptions {
   std::vector<std::string> addresses;
   std::chrono::milliseconds deadline{10000};
   int max_message_bytes = 64 << 20;
+  // Mutual TLS to the group (empty = plaintext).
+  TlsFiles tls;
 };
 
 // Client of one expert group (and its replicas). Calls are asynchronous

@@ -186,6 +186,8 @@ absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(
         "max_message_bytes: ", options.max_message_bytes, "; expected >= 1024"));
   }
   HIMOE_ASSIGN_OR_RETURN(const HostPort listen, ParseHostPort("address", options.address));
+  HIMOE_ASSIGN_OR_RETURN(const std::shared_ptr<grpc::ServerCredentials> credentials,
+                         MakeServerCredentials(options.tls));
   std::unique_ptr<ExpertServer> server(new ExpertServer());
   HIMOE_ASSIGN_OR_RETURN(server->core_, ExpertServiceCore::Create(options.core));
   if (!options.state_file.empty()) {
@@ -201,8 +203,7 @@ absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(
   // One process per port: with SO_REUSEPORT a second server on a taken port
   // would share its connections.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(JoinHostPort(listen.host, listen.port),
-                           grpc::InsecureServerCredentials(), &server->port_);
+  builder.AddListeningPort(JoinHostPort(listen.host, listen.port), credentials, &server->port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.RegisterService(server->service_.get());

@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "expert_service/expert_service_core.h"
 #include "himoe/v1/expert.grpc.pb.h"
+#include "proto/tls_credentials.h"
 
 namespace himoe::expert {
 
@@ -68,6 +69,8 @@ struct ExpertServerOptions {
   int max_message_bytes = 64 << 20;     // receive and send
   // Optional: a state file (SaveStateToFile) loaded before serving.
   std::string state_file;
+  // Mutual TLS (empty = plaintext): clients need a certificate of the CA.
+  TlsFiles tls;
 };
 
 // A running himoe-expert gRPC server (ExpertService, health, reflection).

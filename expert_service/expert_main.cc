@@ -42,6 +42,11 @@ ABSL_FLAG(bool, blas_probe, true,
           "with BLIS and no BLIS_ARCH_TYPE set: time the kernel sets this CPU supports and keep "
           "the fastest");
 ABSL_FLAG(int32_t, max_message_bytes, 64 << 20, "max gRPC message, both ways");
+ABSL_FLAG(std::string, tls_ca, "",
+          "mutual TLS: PEM of the CA that signs every peer (with --tls_cert, --tls_key; all "
+          "empty = plaintext)");
+ABSL_FLAG(std::string, tls_cert, "", "mutual TLS: PEM certificate (chain) of this process");
+ABSL_FLAG(std::string, tls_key, "", "mutual TLS: PEM private key of --tls_cert");
 ABSL_FLAG(int64_t, max_tokens, 65536, "max rows in one Forward request");
 ABSL_FLAG(double, saved_state_ttl_s, 300,
           "seconds a Forward saved for Backward is kept before it is dropped");
@@ -74,6 +79,12 @@ absl::StatusOr<v1::ExpertShape> ShapeFromFlags() {
   return shape;
 }
 
+// --tls_ca, --tls_cert, --tls_key.
+TlsFiles TlsFromFlags() {
+  return TlsFiles{absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
+                  absl::GetFlag(FLAGS_tls_key)};
+}
+
 absl::StatusOr<ExpertServerOptions> OptionsFromFlags() {
   ExpertServerOptions options;
   ExpertServiceOptions& core = options.core;
@@ -92,6 +103,7 @@ absl::StatusOr<ExpertServerOptions> OptionsFromFlags() {
   options.address = JoinHostPort(listen.host, listen.port);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.state_file = absl::GetFlag(FLAGS_state_file);
+  options.tls = TlsFromFlags();
   return options;
 }
 

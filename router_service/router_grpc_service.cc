@@ -322,7 +322,9 @@ absl::Status RouterServer::Listen(const RouterServerOptions& options) {
   // One process per port: with SO_REUSEPORT a second server on a taken port
   // would share its connections.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &port_);
+  HIMOE_ASSIGN_OR_RETURN(const std::shared_ptr<grpc::ServerCredentials> credentials,
+                         MakeServerCredentials(options.tls));
+  builder.AddListeningPort(options.address, credentials, &port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.RegisterService(service_.get());

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "himoe/v1/router.grpc.pb.h"
+#include "proto/tls_credentials.h"
 #include "model/moe_layers.h"
 #include "model/text_generator.h"
 #include "router_service/batched_moe.h"
@@ -26,6 +27,9 @@ struct RouterServerOptions {
   RemoteMoEOptions moe;
   BatcherOptions batching;
   std::string address = "127.0.0.1:0";
+  // Mutual TLS of the RouterService port (empty = plaintext); the calls to the
+  // groups use moe.groups[g].tls.
+  TlsFiles tls;
   int max_message_bytes = 64 << 20;
   int64_t max_tokens_per_request = 65536;
   // Where the router's metrics go; null = no metrics.

@@ -37,6 +37,11 @@ ABSL_FLAG(bool, blas_probe, true,
 ABSL_FLAG(std::string, port_file, "",
           "If set, write '<grpc port> <metrics port>' here once serving");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "Max gRPC message size, both directions");
+ABSL_FLAG(std::string, tls_ca, "",
+          "mutual TLS of the RouterService port and of the calls to the groups: PEM of the "
+          "CA that signs every peer (with --tls_cert, --tls_key; all empty = plaintext)");
+ABSL_FLAG(std::string, tls_cert, "", "mutual TLS: PEM certificate (chain) of this process");
+ABSL_FLAG(std::string, tls_key, "", "mutual TLS: PEM private key of --tls_cert");
 ABSL_FLAG(std::string, checkpoint, "",
           "Serve Generate from this trainer checkpoint (a step_* directory, or the "
           "checkpoints root: its newest); empty = no Generate");
@@ -52,6 +57,12 @@ constexpr char kUsage[] =
     "--checkpoint, samples from a trained LM through them (Generate).\n"
     "  himoe-router --cluster=deploy/local/cluster.textproto [--checkpoint=runs/main/checkpoints]";
 
+// --tls_ca, --tls_cert, --tls_key.
+TlsFiles TlsFromFlags() {
+  return TlsFiles{absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
+                  absl::GetFlag(FLAGS_tls_key)};
+}
+
 absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& cluster) {
   RouterServerOptions o;
   HIMOE_ASSIGN_OR_RETURN(o.moe.routing, model::RoutingConfigFromCluster(cluster));
@@ -64,12 +75,14 @@ absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& 
     go.addresses.insert(go.addresses.end(), g.replicas().begin(), g.replicas().end());
     go.deadline = std::chrono::milliseconds(cluster.router().deadline_ms());
     go.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+    go.tls = TlsFromFlags();
     o.moe.groups.push_back(go);
   }
   o.batching.max_batch_tokens = cluster.router().max_batch_tokens();
   o.batching.max_queue_delay = std::chrono::microseconds(cluster.router().max_queue_delay_us());
   o.max_tokens_per_request = cluster.router().max_tokens_per_request();
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  o.tls = TlsFromFlags();
   o.address = absl::GetFlag(FLAGS_address).empty() ? cluster.router().address()
                                                     : absl::GetFlag(FLAGS_address);
   if (o.address.empty()) o.address = "0.0.0.0:50050";

@@ -17,7 +17,7 @@ PACKAGES=(
   libblis4-openmp libgoogle-glog-dev libgflags-dev
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy
   fortunes fortunes-min
-  prometheus gnuplot-nox python3-yaml iproute2
+  prometheus gnuplot-nox python3-yaml iproute2 openssl
 )
 
 log() { echo "[setup] $*"; }

@@ -164,6 +164,7 @@ class RemoteBackend final : public ExpertBackend {
       go.group_id = g;
       go.addresses = {o.addresses[g]};
       go.deadline = o.deadline;
+      go.tls = o.tls;
       HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(go));
       HIMOE_RETURN_IF_ERROR(client->CheckInfo(o.shape));
       b->clients_.push_back(std::move(client));

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "common/named_tensor.h"
 #include "himoe/v1/model.pb.h"
+#include "proto/tls_credentials.h"
 
 namespace himoe::trainer {
 
@@ -58,6 +59,8 @@ struct ExpertBackendOptions {
   // Remote only: one address per group.
   std::vector<std::string> addresses;
   std::chrono::milliseconds deadline{60000};
+  // Remote only: mutual TLS to every group (empty = plaintext).
+  TlsFiles tls;
   // Remote only: when set, Create begins this training run on every group
   // (BeginRun: seed weights, zero optimizer state, no saved Forwards) and
   // every Step carries it. Empty: no run is begun (serving, Generate).

@@ -93,6 +93,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   ExpertBackendOptions bo;
   bo.shape = model::ExpertShapeFor(o.model);
   bo.addresses = o.expert_addresses;
+  bo.tls = o.tls;
   bo.on_rpc = o.on_rpc;
   if (opts.run_id.empty()) opts.run_id = NewRunId();
   bo.run_id = opts.run_id;

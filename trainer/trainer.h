@@ -29,6 +29,8 @@ struct TrainerOptions {
   // (one address per group).
   bool remote_experts = false;
   std::vector<std::string> expert_addresses;
+  // Mutual TLS to the expert services (empty = plaintext).
+  TlsFiles tls;
   // Where the experts run, as recorded in the checkpoints and the run log:
   // local, cluster or inprocess; empty = "remote" or "inprocess".
   std::string experts_mode;

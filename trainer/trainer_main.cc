@@ -120,6 +120,11 @@ ABSL_FLAG(std::string, on_group_failure, "",
           "with --experts=local, reload the last checkpoint, or step 0 without one, and go on); "
           "empty = wait_and_resume with --experts=local, fail otherwise");
 ABSL_FLAG(int, max_group_restarts, 3, "group failures wait_and_resume recovers from, then fails");
+ABSL_FLAG(std::string, tls_ca, "",
+          "--experts=cluster: mutual TLS to the expert services: PEM of the CA that signs every "
+          "peer (with --tls_cert, --tls_key; all empty = plaintext)");
+ABSL_FLAG(std::string, tls_cert, "", "mutual TLS: PEM certificate (chain) of this process");
+ABSL_FLAG(std::string, tls_key, "", "mutual TLS: PEM private key of --tls_cert");
 ABSL_FLAG(int, group_wait_s, 300,
           "wait_and_resume: seconds to wait for the groups to serve again");
 ABSL_FLAG(int64_t, log_every, 10, "progress line every N steps when not on a terminal");
@@ -222,6 +227,8 @@ absl::Status UseClusterExperts(TrainerOptions* o) {
   }
   o->remote_experts = true;
   for (const auto& g : cluster.groups()) o->expert_addresses.push_back(g.address());
+  o->tls = TlsFiles{absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
+                    absl::GetFlag(FLAGS_tls_key)};
   return absl::OkStatus();
 }
 
@@ -296,6 +303,7 @@ absl::Status WaitForGroups(const TrainerOptions& o, local::LocalExpertCluster* s
     co.group_id = static_cast<int>(g);
     co.addresses = {o.expert_addresses[g]};
     co.deadline = std::chrono::milliseconds(2000);
+    co.tls = o.tls;
     HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(co));
     absl::Status status = client->Info().status();
     while (!status.ok()) {

@@ -254,8 +254,7 @@ def cluster_pb2():
     global _CLUSTER_PB2
     if _CLUSTER_PB2 is None:
         out = tempfile.mkdtemp(prefix="k8s-manifest-test-pb-")
-        # protoc of protobuf-compiler: proto3 `optional` needs protoc >= 3.15, which
-        # Debian's python3-grpc-tools (3.5) is not.
+        # protoc of protobuf-compiler (cluster.proto is proto2: any protoc compiles it).
         protoc = shutil.which("protoc")
         if protoc is None:
             sys.exit("k8s_manifest_test: protoc is missing (protobuf-compiler; "
@@ -590,6 +589,37 @@ def check_variant(objs, variant, stubs):
                 f"{comp}: runAsUser {sc.get('runAsUser')}, the image's user is {DOCKER_UID}")
 
 
+def check_mtls(objs):
+    """overlays/mtls: every gRPC server and client gets --tls_ca/cert/key from the
+    Secret himoe-tls mounted read-only, and no probe is a gRPC one (the kubelet's
+    cannot present a client certificate)."""
+    want = {"--tls_ca": "/etc/himoe-tls/ca.pem", "--tls_cert": "/etc/himoe-tls/tls.pem",
+            "--tls_key": "/etc/himoe-tls/tls.key"}
+    for kind, name in (("StatefulSet", EXPERT), ("Deployment", ROUTER), ("Job", TRAINER)):
+        w = one(objs, kind, name)
+        if w is None:
+            continue
+        spec = pod_spec(w)
+        c = spec["containers"][0]
+        flags = parse_flags(c.get("args") or [])
+        for flag, path in want.items():
+            C.check(flags.get(flag.lstrip("-")) == path,
+                    f"{name}: {flag}={flags.get(flag.lstrip('-'))}, expected {path}")
+        mounts = [m for m in c.get("volumeMounts") or [] if m.get("mountPath") == "/etc/himoe-tls"]
+        C.check(len(mounts) == 1 and mounts[0].get("readOnly") is True,
+                f"{name}: /etc/himoe-tls is not mounted read-only once: {mounts}")
+        volume = {v["name"]: v for v in spec.get("volumes") or []}.get(
+            mounts[0]["name"] if mounts else "")
+        C.check(volume is not None and (volume.get("secret") or {}).get("secretName") == "himoe-tls",
+                f"{name}: /etc/himoe-tls is not the Secret himoe-tls: {volume}")
+        for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+            pr = c.get(probe)
+            if pr is None:
+                continue
+            C.check("grpc" not in pr and "tcpSocket" in pr,
+                    f"{name}: {probe} must be a TCP check under mTLS, is {sorted(pr)}")
+
+
 def check_trainer_command(c, cluster_text, stubs):
     """Runs the trainer's wrapper: it must wait for every group of the cluster
     file and add --resume only when a complete checkpoint exists."""
@@ -815,6 +845,12 @@ def main():
             objs = render(kubectl, directory)
             if objs is not None:
                 check_variant(objs, variant, stubs)
+        mtls = os.path.join(K8S, "overlays", "mtls")
+        C.where = f"{version}: {os.path.relpath(mtls, REPO)}"
+        print(f"rendering {os.path.relpath(mtls, REPO)} with {version}")
+        objs = render(kubectl, mtls)
+        if objs is not None:
+            check_mtls(objs)
     shutil.rmtree(stubs, ignore_errors=True)
     for f in C.failures:
         print(f"FAIL {f}")

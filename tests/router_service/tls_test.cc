@@ -1,0 +1,197 @@
+// Mutual TLS on the expert service, its client and the router, with
+// certificates made by openssl (make_test_certs.sh): the right certificates
+// work, and an unknown CA, an expired certificate, a missing client
+// certificate and plaintext are refused.
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include "common/tensor_codec.h"
+#include "expert_service/expert_client.h"
+#include "expert_service/expert_grpc_service.h"
+#include "proto/grpc_status.h"
+#include "proto/tls_credentials.h"
+#include "router_service/local_moe.h"
+#include "router_service/router_grpc_service.h"
+#include "tests/router_service/expert_cluster_util.h"
+#include "tests/router_service/routing_test_util.h"
+
+namespace himoe::router {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using testing::kD;
+using testing::kK;
+using testing::kM;
+using testing::kN;
+
+class TlsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new fs::path(fs::temp_directory_path() /
+                        ("himoe_tls_test_" + std::to_string(::getpid())));
+    const std::string command = "bash " + std::string(HIMOE_SOURCE_DIR) +
+                                "/tests/router_service/make_test_certs.sh " + dir_->string();
+    ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  }
+  static void TearDownTestSuite() {
+    std::error_code ignored;
+    fs::remove_all(*dir_, ignored);
+    delete dir_;
+  }
+  static TlsFiles Files(const std::string& ca, const std::string& leaf) {
+    return TlsFiles{(*dir_ / (ca + ".pem")).string(), (*dir_ / (leaf + ".pem")).string(),
+                    (*dir_ / (leaf + ".key")).string()};
+  }
+
+  // An expert service of group `g` with TLS (the server certificate).
+  std::unique_ptr<expert::ExpertServer> StartTlsExpert(int g) {
+    expert::ExpertServerOptions o;
+    o.address = "127.0.0.1:0";
+    o.core.shape = testing::Shape();
+    o.core.group_id = g;
+    o.tls = Files("ca", "server");
+    auto server = expert::ExpertServer::Start(o);
+    EXPECT_TRUE(server.ok()) << server.status();
+    return server.ok() ? std::move(server).value() : nullptr;
+  }
+
+  // Info from group g's service at `port` as a client with `tls`.
+  static absl::Status InfoWith(int port, int g, const TlsFiles& tls) {
+    expert::ExpertGroupClientOptions o;
+    o.group_id = g;
+    o.addresses = {testing::Loopback(port)};
+    o.deadline = std::chrono::milliseconds(5000);
+    o.tls = tls;
+    auto client = expert::ExpertGroupClient::Create(o);
+    if (!client.ok()) return client.status();
+    return (*client)->Info().status();
+  }
+
+  static fs::path* dir_;
+};
+
+fs::path* TlsTest::dir_ = nullptr;
+
+TEST_F(TlsTest, ExpertServesOnlyClientsWithACertificateOfItsCa) {
+  auto server = StartTlsExpert(1);
+  ASSERT_NE(server, nullptr);
+  const int port = server->port();
+  EXPECT_TRUE(InfoWith(port, 1, Files("ca", "client")).ok());
+
+  // Plaintext is refused: the port speaks TLS only.
+  const absl::Status plaintext = InfoWith(port, 1, TlsFiles{});
+  EXPECT_EQ(plaintext.code(), absl::StatusCode::kUnavailable) << plaintext;
+  // A client certificate from another CA, or an expired one, is refused.
+  EXPECT_EQ(InfoWith(port, 1, Files("ca", "stranger")).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(InfoWith(port, 1, Files("ca", "expired")).code(), absl::StatusCode::kUnavailable);
+  // A server the client's CA did not sign is refused by the client.
+  EXPECT_EQ(InfoWith(port, 1, Files("other_ca", "stranger")).code(),
+            absl::StatusCode::kUnavailable);
+  // No client certificate at all: a TLS client with only the CA.
+  {
+    grpc::SslCredentialsOptions only_ca;
+    std::ifstream in((*dir_ / "ca.pem").string());
+    only_ca.pem_root_certs.assign(std::istreambuf_iterator<char>(in), {});
+    auto stub = v1::ExpertService::NewStub(
+        grpc::CreateChannel(testing::Loopback(port), grpc::SslCredentials(only_ca)));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::ExpertInfoResponse response;
+    EXPECT_EQ(stub->Info(&context, v1::ExpertInfoRequest(), &response).error_code(),
+              grpc::StatusCode::UNAVAILABLE);
+  }
+  // The service still serves the right client afterwards.
+  EXPECT_TRUE(InfoWith(port, 1, Files("ca", "client")).ok());
+}
+
+TEST_F(TlsTest, BadFilesAreRefusedNamingThem) {
+  expert::ExpertServerOptions o;
+  o.address = "127.0.0.1:0";
+  o.core.shape = testing::Shape();
+  o.tls = Files("ca", "server");
+  o.tls.key_file.clear();
+  auto missing = expert::ExpertServer::Start(o);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("tls key_file: empty"));
+  o.tls = Files("ca", "server");
+  o.tls.key_file = o.tls.cert_file;  // a certificate where the key should be
+  auto swapped = expert::ExpertServer::Start(o);
+  ASSERT_FALSE(swapped.ok());
+  EXPECT_THAT(std::string(swapped.status().message()),
+              HasSubstr("tls key_file: " + o.tls.key_file + " holds no PEM PRIVATE KEY block"));
+  o.tls.key_file = (*dir_ / "no_such.key").string();
+  auto unreadable = expert::ExpertServer::Start(o);
+  ASSERT_FALSE(unreadable.ok());
+  EXPECT_THAT(std::string(unreadable.status().message()), HasSubstr("tls key_file: cannot read"));
+}
+
+// The router serves RouteForward over TLS and calls its groups over TLS; its
+// output equals LocalMoE's.
+TEST_F(TlsTest, RouterOverTlsEndToEnd) {
+  std::vector<std::unique_ptr<expert::ExpertServer>> experts;
+  for (int g = 0; g < kM; ++g) {
+    experts.push_back(StartTlsExpert(g));
+    ASSERT_NE(experts.back(), nullptr);
+  }
+  RouterServerOptions o;
+  o.moe.routing = testing::Config(RoutingMethod::kHiMoe, kN, kM, kK);
+  o.moe.shape = testing::Shape();
+  for (int g = 0; g < kM; ++g) {
+    expert::ExpertGroupClientOptions go;
+    go.addresses = {testing::Loopback(experts[g]->port())};
+    go.deadline = std::chrono::milliseconds(5000);
+    go.tls = Files("ca", "client");
+    o.moe.groups.push_back(go);
+  }
+  o.tls = Files("ca", "server");
+  auto router = RouterServer::Start(o);
+  ASSERT_TRUE(router.ok()) << router.status();
+  const at::Tensor x = at::randn({16, kD});
+  v1::RouteForwardRequest request;
+  ASSERT_TRUE(EncodeTensor(x, request.mutable_hidden()).ok());
+  const auto call = [&](const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+                        v1::RouteForwardResponse* response) {
+    auto stub = v1::RouterService::NewStub(
+        grpc::CreateChannel(testing::Loopback((*router)->port()), credentials));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return stub->RouteForward(&context, request, response);
+  };
+  auto credentials = MakeChannelCredentials(Files("ca", "client"));
+  ASSERT_TRUE(credentials.ok()) << credentials.status();
+  v1::RouteForwardResponse response;
+  const grpc::Status ok = call(*credentials, &response);
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+  LocalMoEOptions lo;
+  lo.routing = o.moe.routing;
+  lo.shape = testing::Shape();
+  lo.layer = 0;
+  auto moe = LocalMoE::Create(lo);
+  ASSERT_TRUE(moe.ok());
+  at::NoGradGuard no_grad;
+  auto want = (*moe)->Forward(x, /*training=*/false);
+  ASSERT_TRUE(want.ok());
+  auto got = DecodeTensor(response.output(), "output");
+  ASSERT_TRUE(got.ok());
+  EXPECT_LE((*got - want->output).abs().max().item<double>(), 1e-5);
+  EXPECT_EQ(call(grpc::InsecureChannelCredentials(), &response).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+}
+
+}  // namespace
+}  // namespace himoe::router
