@@ -46,7 +46,9 @@ absl::StatusOr<std::unique_ptr<StateChunker>> StateChunker::Create(
   }
   std::vector<Entry> entries;
   entries.reserve(tensors.size());
-  for (auto& [name, tensor] : tensors) {
+  for (NamedTensor& named : tensors) {
+    std::string& name = named.first;
+    const at::Tensor& tensor = named.second;  // (a lambda cannot capture a structured binding)
     if (!tensor.defined()) {
       return absl::InvalidArgumentError(
           absl::StrCat("state '", name, "': undefined tensor"));

@@ -41,16 +41,34 @@ int64_t ParseStepDirName(const std::string& name) {
   return step;
 }
 
-struct ManifestEntry {
-  std::string sha256;
-  std::string name;
-};
-
 bool IsLowerHex(absl::string_view s) {
   return std::all_of(s.begin(), s.end(), [](char c) {
     return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
   });
 }
+
+
+// `path`'s contents; DataLoss `missing` when it does not exist.
+absl::StatusOr<std::string> ReadCheckpointFile(const std::string& path,
+                                               const std::string& missing) {
+  absl::StatusOr<std::string> data = ReadFileToString(path);
+  if (absl::IsNotFound(data.status())) return absl::DataLossError(missing);
+  return data;
+}
+
+// Collects the first error of a text-format parse.
+class FirstError : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, int column, const std::string& message) override {
+    if (error_.empty()) error_ = absl::StrCat(line + 1, ":", column + 1, ": ", message);
+  }
+  const std::string& error() const { return error_; }
+
+ private:
+  std::string error_;
+};
+
+}  // namespace
 
 absl::StatusOr<std::vector<ManifestEntry>> ParseManifest(const std::string& text,
                                                          const std::string& where) {
@@ -76,28 +94,6 @@ absl::StatusOr<std::vector<ManifestEntry>> ParseManifest(const std::string& text
   }
   return entries;
 }
-
-// `path`'s contents; DataLoss `missing` when it does not exist.
-absl::StatusOr<std::string> ReadCheckpointFile(const std::string& path,
-                                               const std::string& missing) {
-  absl::StatusOr<std::string> data = ReadFileToString(path);
-  if (absl::IsNotFound(data.status())) return absl::DataLossError(missing);
-  return data;
-}
-
-// Collects the first error of a text-format parse.
-class FirstError : public google::protobuf::io::ErrorCollector {
- public:
-  void AddError(int line, int column, const std::string& message) override {
-    if (error_.empty()) error_ = absl::StrCat(line + 1, ":", column + 1, ": ", message);
-  }
-  const std::string& error() const { return error_; }
-
- private:
-  std::string error_;
-};
-
-}  // namespace
 
 std::string CheckpointDirName(int64_t step) { return absl::StrFormat("step_%08d", step); }
 
@@ -260,7 +256,8 @@ absl::StatusOr<std::vector<std::pair<at::Tensor, at::Tensor>>> MatchDenseState(
     pairs.emplace_back(live, it->second);
   }
   if (saved_by_name.size() != live_dense.size()) {
-    for (const auto& [name, t] : saved_by_name) {
+    for (const auto& saved : saved_by_name) {
+      const std::string& name = saved.first;
       if (std::none_of(live_dense.begin(), live_dense.end(),
                        [&](const NamedTensor& l) { return l.first == name; })) {
         return absl::FailedPreconditionError(

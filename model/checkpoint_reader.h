@@ -48,6 +48,17 @@ absl::Status ListCheckpointDirs(const std::string& root, std::vector<CheckpointD
 // The newest complete checkpoint directory under `root`; NotFound if none.
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
 
+// One line of a checkpoint's MANIFEST: "<64 lowercase hex>  <file name>".
+struct ManifestEntry {
+  std::string sha256;
+  std::string name;
+};
+
+// The MANIFEST's entries; DataLoss (prefixed by `where`) for a malformed
+// line, a bad file name (a path, ".", "..", MANIFEST) or a name twice.
+absl::StatusOr<std::vector<ManifestEntry>> ParseManifest(const std::string& text,
+                                                         const std::string& where);
+
 // Lowercase hex sha256 of `data`.
 absl::StatusOr<std::string> Sha256Hex(absl::string_view data);
 

@@ -25,34 +25,6 @@
 
 namespace himoe::router {
 
-absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
-                                        int64_t d_model, int64_t max_tokens) {
-  HIMOE_ASSIGN_OR_RETURN(at::Tensor x, DecodeTensor(request.hidden(), "hidden"));
-  if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden.dtype: expected FLOAT32 or BFLOAT16, got ", c10::toString(x.scalar_type())));
-  }
-  if (x.dim() != 2 || x.size(1) != d_model) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden.shape: expected [T, d_model=",
-                                                   d_model, "], got [",
-                                                   absl::StrJoin(x.sizes(), ", "), "]"));
-  }
-  if (x.size(0) == 0) {
-    return absl::InvalidArgumentError("hidden: empty batch (T = 0); send at least one token");
-  }
-  if (x.size(0) > max_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden: ", x.size(0),
-                                                   " tokens exceed the limit of ", max_tokens,
-                                                   " per request"));
-  }
-  bool finite = true;
-  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-    finite = at::isfinite(x).all().item<bool>();
-    return absl::OkStatus();
-  }));
-  if (!finite) return absl::InvalidArgumentError("hidden contains NaN or Inf");
-  return x;
-}
 
 absl::StatusOr<model::GenerateParams> DecodeGenerateRequest(
     const v1::GenerateRequest& request, const model::TextGenerator& generator) {
@@ -166,6 +138,35 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
 };
 
 }  // namespace
+
+absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
+                                        int64_t d_model, int64_t max_tokens) {
+  HIMOE_ASSIGN_OR_RETURN(at::Tensor x, DecodeTensor(request.hidden(), "hidden"));
+  if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden.dtype: expected FLOAT32 or BFLOAT16, got ", c10::toString(x.scalar_type())));
+  }
+  if (x.dim() != 2 || x.size(1) != d_model) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden.shape: expected [T, d_model=",
+                                                   d_model, "], got [",
+                                                   absl::StrJoin(x.sizes(), ", "), "]"));
+  }
+  if (x.size(0) == 0) {
+    return absl::InvalidArgumentError("hidden: empty batch (T = 0); send at least one token");
+  }
+  if (x.size(0) > max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden: ", x.size(0),
+                                                   " tokens exceed the limit of ", max_tokens,
+                                                   " per request"));
+  }
+  bool finite = true;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    finite = at::isfinite(x).all().item<bool>();
+    return absl::OkStatus();
+  }));
+  if (!finite) return absl::InvalidArgumentError("hidden contains NaN or Inf");
+  return x;
+}
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* RouterGrpcService::Generate(
     grpc::CallbackServerContext* /*context*/, const v1::GenerateRequest* request) {

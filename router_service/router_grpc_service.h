@@ -46,6 +46,12 @@ struct RouterServerOptions {
       make_generator;
 };
 
+// The hidden rows of a RouteForward request, as float32 or bfloat16
+// [T, d_model] with 1 <= T <= max_tokens, all finite; INVALID_ARGUMENT naming
+// the field otherwise.
+absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
+                                        int64_t d_model, int64_t max_tokens);
+
 // The RouterService adapter: decode and validate, batch, route and dispatch
 // through RemoteMoE, encode.
 class RouterGrpcService final

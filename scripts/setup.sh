@@ -18,6 +18,7 @@ PACKAGES=(
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-numpy
   fortunes fortunes-min
   prometheus gnuplot-nox python3-yaml iproute2 openssl
+  clang libclang-rt-14-dev
 )
 
 log() { echo "[setup] $*"; }
