@@ -2,6 +2,7 @@
 # The project's throughput bench, one command, every number from one run.
 #
 #   scripts/bench.sh train [--steps N] [--out DIR] [-- extra himoe-trainer flags]
+#   scripts/bench.sh soak [scripts/soak.py flags: --seconds 60 --rate 100 ...]
 #
 # train: back to back, on the released code's config (4 layers, d 128, block
 # 128, batch 16, 8 experts in 4 groups, K 4, width 512) and on the main job's
@@ -16,10 +17,16 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${HIMOE_BUILD_DIR:-${ROOT}/build}"
 TRAINER="${BUILD}/trainer/himoe-trainer"
 
-usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 
 [[ $# -ge 1 ]] || usage
 mode="$1"; shift
+if [[ "${mode}" == soak ]]; then
+  # soak: serving under bounded load with a group killed and restarted
+  # (scripts/soak.py); writes runs/bench/soak.md.
+  exec /usr/bin/python3 "${ROOT}/scripts/soak.py" --build "${BUILD}" \
+    --out "${ROOT}/runs/bench/soak.md" "$@"
+fi
 [[ "${mode}" == train ]] || usage
 steps=60
 out="${ROOT}/runs/bench"
