@@ -25,17 +25,17 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/cluster_config.h"
-#include "common/host_port.h"
 #include "common/compute_setup.h"
 #include "common/expert_shape.h"
 #include "common/file_util.h"
+#include "common/host_port.h"
 #include "common/process_stats.h"
 #include "common/metrics_endpoint.h"
 #include "common/program.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
-#include "expert_service/expert_client.h"
 #include "deploy/local/local_cluster.h"
+#include "expert_service/expert_client.h"
 #include "model/checkpoint_reader.h"
 #include "model/model_config.h"
 #include "router_service/routing_config.h"
@@ -280,8 +280,6 @@ absl::StatusOr<double> Evaluate(Trainer& trainer, int64_t step, RunLog& log,
   return val.loss;
 }
 
-// Steps until options.steps, evaluating, checkpointing and reporting progress
-// on the way; returns the last validation loss.
 // A step, evaluation or checkpoint that failed because a group went away or
 // did not answer in time: what --on_group_failure=wait_and_resume recovers.
 bool IsGroupFailure(const absl::Status& status) {
@@ -320,6 +318,8 @@ absl::Status WaitForGroups(const TrainerOptions& o, local::LocalExpertCluster* s
   return absl::OkStatus();
 }
 
+// Steps until options.steps, evaluating, checkpointing and reporting progress
+// on the way; returns the last validation loss.
 absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
                                  TrainerMetrics* metrics, local::LocalExpertCluster* spawned,
                                  const std::string& checkpoints) {

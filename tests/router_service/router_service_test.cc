@@ -356,14 +356,20 @@ class StallingExpert final : public v1::ExpertService::CallbackService {
   std::atomic<int> calls{0};
 };
 
-TEST_F(RouterServiceTest, SlowGroupIsDeadlineExceededNamingIt) {
-  StallingExpert stalling;
+// `stalling` on 127.0.0.1; *port is its port.
+std::unique_ptr<grpc::Server> ServeStalling(StallingExpert& stalling, int* port) {
   grpc::ServerBuilder builder;
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
   builder.RegisterService(&stalling);
-  auto server = builder.BuildAndStart();
+  return builder.BuildAndStart();
+}
+
+TEST_F(RouterServiceTest, SlowGroupIsDeadlineExceededNamingIt) {
+  StallingExpert stalling;
+  int port = 0;
+  auto server = ServeStalling(stalling, &port);
+  ASSERT_NE(server, nullptr);
   RouterServerOptions o = Options(RoutingMethod::kHiMoe);
   o.moe.groups[3].addresses = {Loopback(port)};
   o.moe.groups[3].deadline = std::chrono::milliseconds(200);
@@ -379,11 +385,9 @@ TEST_F(RouterServiceTest, SlowGroupIsDeadlineExceededNamingIt) {
 // while it waits behind the batch in flight is not sent to any group.
 TEST_F(RouterServiceTest, ARequestThatExpiredInTheQueueIsNotComputed) {
   StallingExpert stalling;
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&stalling);
-  auto server = builder.BuildAndStart();
+  auto server = ServeStalling(stalling, &port);
+  ASSERT_NE(server, nullptr);
   RouterServerOptions o = Options(RoutingMethod::kHiMoe);
   o.moe.groups[3].addresses = {Loopback(port)};
   o.moe.groups[3].deadline = std::chrono::milliseconds(1000);
