@@ -286,16 +286,14 @@ bool IsGroupFailure(const absl::Status& status) {
   return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
 }
 
-// Until every group serves again: with --experts=local, the exited processes
-// are started again on their addresses; otherwise each address is asked for
-// Info until it answers, for up to --group_wait_s.
+// Until every group serves again: with --experts=local, exited processes are
+// started again on their addresses (checked on every round: a killed process
+// may not have exited yet when its RPCs fail); each group is asked for Info
+// until all answer, for up to --group_wait_s.
 absl::Status WaitForGroups(const TrainerOptions& o, local::LocalExpertCluster* spawned) {
-  if (spawned != nullptr) {
-    HIMOE_ASSIGN_OR_RETURN(const std::vector<int> restarted, spawned->RestartExited());
-    std::cerr << "restarted expert group(s) " << absl::StrJoin(restarted, ", ") << "\n";
-  }
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_group_wait_s));
+  std::vector<std::unique_ptr<expert::ExpertGroupClient>> clients;
   for (size_t g = 0; g < o.expert_addresses.size(); ++g) {
     expert::ExpertGroupClientOptions co;
     co.group_id = static_cast<int>(g);
@@ -303,16 +301,27 @@ absl::Status WaitForGroups(const TrainerOptions& o, local::LocalExpertCluster* s
     co.deadline = std::chrono::milliseconds(2000);
     co.tls = o.tls;
     HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(co));
-    absl::Status status = client->Info().status();
-    while (!status.ok()) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "--on_group_failure=wait_and_resume: expert group ", g, " did not serve again within ",
-            absl::GetFlag(FLAGS_group_wait_s), " s: ", status.message()));
+    clients.push_back(std::move(client));
+  }
+  while (true) {
+    if (spawned != nullptr) {
+      HIMOE_ASSIGN_OR_RETURN(const std::vector<int> restarted, spawned->RestartExited());
+      if (!restarted.empty()) {
+        std::cerr << "restarted expert group(s) " << absl::StrJoin(restarted, ", ") << "\n";
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(500));
-      status = client->Info().status();
     }
+    absl::Status down;
+    for (const auto& client : clients) {
+      down = client->Info().status();
+      if (!down.ok()) break;
+    }
+    if (down.ok()) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("--on_group_failure=wait_and_resume: the groups did not all serve again "
+                       "within ", absl::GetFlag(FLAGS_group_wait_s), " s: ", down.message()));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
   std::cerr << "every expert group serves again\n";
   return absl::OkStatus();
