@@ -12,13 +12,13 @@
 #include "common/status_macros.h"
 #include "expert_service/state_stream.h"
 #include "proto/grpc_status.h"
-#include "proto/raw_unary.h"
+#include "proto/raw_rpc.h"
 
 namespace himoe::expert {
 namespace {
 
 // Streams the chunks of a state snapshot taken when the call arrives.
-class GetStateReactor final : public grpc::ServerWriteReactor<v1::StateChunk> {
+class GetStateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   GetStateReactor(const ExpertServiceCore& core, const v1::GetStateRequest& request,
                   int64_t max_chunk_bytes) {
@@ -56,22 +56,27 @@ class GetStateReactor final : public grpc::ServerWriteReactor<v1::StateChunk> {
 
  private:
   void NextWrite() {
-    if (chunker_->Next(&chunk_)) {
-      StartWrite(&chunk_);
-    } else {
+    if (!chunker_->Next(&chunk_)) {
       Finish(grpc::Status::OK);
+      return;
     }
+    if (grpc::Status s = SerializeRaw(chunk_, &buffer_); !s.ok()) {
+      Finish(s);
+      return;
+    }
+    StartWrite(&buffer_);
   }
 
   std::unique_ptr<StateChunker> chunker_;
   v1::StateChunk chunk_;
+  grpc::ByteBuffer buffer_;
 };
 
 // Assembles the streamed chunks and applies them all at once at the end.
-class SetStateReactor final : public grpc::ServerReadReactor<v1::StateChunk> {
+class SetStateReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   SetStateReactor(grpc::CallbackServerContext* context, ExpertServiceCore* core,
-                  v1::SetStateResponse* response)
+                  grpc::ByteBuffer* response)
       : context_(context),
         core_(core),
         response_(response),
@@ -79,17 +84,20 @@ class SetStateReactor final : public grpc::ServerReadReactor<v1::StateChunk> {
                           at::IntArrayRef shape) {
           return core->ValidateStateTensor(name, dtype, shape);
         }) {
-    StartRead(&chunk_);
+    StartRead(&buffer_);
   }
 
   void OnReadDone(bool ok) override {
     if (ok) {
-      const absl::Status status = assembler_.Add(chunk_);
+      chunk_.Clear();
+      absl::Status status =
+          ParseRaw(buffer_, absl::StrCat("state chunk ", assembler_.chunks()).c_str(), &chunk_);
+      if (status.ok()) status = assembler_.Add(chunk_);
       if (!status.ok()) {
         Finish(ToGrpcStatus(status));
         return;
       }
-      StartRead(&chunk_);
+      StartRead(&buffer_);
       return;
     }
     // End of the client's stream. A cancelled stream must not apply the
@@ -105,8 +113,13 @@ class SetStateReactor final : public grpc::ServerReadReactor<v1::StateChunk> {
       return;
     }
     const absl::Status status = core_->SetState(*tensors);
-    if (status.ok()) response_->set_tensors(static_cast<int32_t>(tensors->size()));
-    Finish(ToGrpcStatus(status));
+    if (!status.ok()) {
+      Finish(ToGrpcStatus(status));
+      return;
+    }
+    v1::SetStateResponse response;
+    response.set_tensors(static_cast<int32_t>(tensors->size()));
+    Finish(SerializeRaw(response, response_));
   }
 
   void OnDone() override { delete this; }
@@ -114,8 +127,9 @@ class SetStateReactor final : public grpc::ServerReadReactor<v1::StateChunk> {
  private:
   grpc::CallbackServerContext* context_;
   ExpertServiceCore* core_;
-  v1::SetStateResponse* response_;
+  grpc::ByteBuffer* response_;
   StateAssembler assembler_;
+  grpc::ByteBuffer buffer_;
   v1::StateChunk chunk_;
 };
 
@@ -169,13 +183,17 @@ grpc::ServerUnaryReactor* ExpertGrpcService::BeginRun(grpc::CallbackServerContex
       context, request, response, [this](const auto& q, auto* r) { return core_->BeginRun(q, r); });
 }
 
-grpc::ServerWriteReactor<v1::StateChunk>* ExpertGrpcService::GetState(
-    grpc::CallbackServerContext*, const v1::GetStateRequest* request) {
-  return new GetStateReactor(*core_, *request, max_chunk_bytes_);
+grpc::ServerWriteReactor<grpc::ByteBuffer>* ExpertGrpcService::GetState(
+    grpc::CallbackServerContext*, const grpc::ByteBuffer* raw_request) {
+  v1::GetStateRequest request;
+  if (absl::Status s = ParseRaw(*raw_request, "request", &request); !s.ok()) {
+    return RejectStream<grpc::ServerWriteReactor<grpc::ByteBuffer>>(ToGrpcStatus(s));
+  }
+  return new GetStateReactor(*core_, request, max_chunk_bytes_);
 }
 
-grpc::ServerReadReactor<v1::StateChunk>* ExpertGrpcService::SetState(
-    grpc::CallbackServerContext* context, v1::SetStateResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* ExpertGrpcService::SetState(
+    grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
   return new SetStateReactor(context, core_, response);
 }
 

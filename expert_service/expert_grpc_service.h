@@ -22,7 +22,9 @@ using ExpertServiceBase = v1::ExpertService::WithRawCallbackMethod_Info<
             v1::ExpertService::WithRawCallbackMethod_Step<
                 v1::ExpertService::WithRawCallbackMethod_Abort<
                     v1::ExpertService::WithRawCallbackMethod_BeginRun<
-                        v1::ExpertService::CallbackService>>>>>>;
+                        v1::ExpertService::WithRawCallbackMethod_GetState<
+                            v1::ExpertService::WithRawCallbackMethod_SetState<
+                                v1::ExpertService::CallbackService>>>>>>>>;
 
 // The gRPC adapter over ExpertServiceCore: decode, call the core, encode.
 class ExpertGrpcService final : public ExpertServiceBase {
@@ -31,8 +33,8 @@ class ExpertGrpcService final : public ExpertServiceBase {
   // max_chunk_bytes so that each fits in one message.
   ExpertGrpcService(ExpertServiceCore* core, int64_t max_chunk_bytes);
 
-  // Unary methods are registered raw: bytes that do not parse as the request
-  // message get INVALID_ARGUMENT naming it (ServeUnary).
+  // Every method is registered raw: bytes that do not parse as the request
+  // message (or a SetState chunk) get INVALID_ARGUMENT naming it (ParseRaw).
   grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* context,
                                  const grpc::ByteBuffer* request,
                                  grpc::ByteBuffer* response) override;
@@ -51,12 +53,12 @@ class ExpertGrpcService final : public ExpertServiceBase {
   grpc::ServerUnaryReactor* BeginRun(grpc::CallbackServerContext* context,
                                      const grpc::ByteBuffer* request,
                                      grpc::ByteBuffer* response) override;
-  grpc::ServerWriteReactor<v1::StateChunk>* GetState(
-      grpc::CallbackServerContext* context,
-      const v1::GetStateRequest* request) override;
-  grpc::ServerReadReactor<v1::StateChunk>* SetState(
-      grpc::CallbackServerContext* context,
-      v1::SetStateResponse* response) override;
+  // Streams v1::StateChunk messages.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* GetState(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
+  // Reads v1::StateChunk messages; answers a v1::SetStateResponse.
+  grpc::ServerReadReactor<grpc::ByteBuffer>* SetState(
+      grpc::CallbackServerContext* context, grpc::ByteBuffer* response) override;
 
  private:
   ExpertServiceCore* core_;

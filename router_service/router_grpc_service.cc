@@ -21,7 +21,7 @@
 #include "common/host_port.h"
 #include "common/torch_runtime.h"
 #include "proto/grpc_status.h"
-#include "proto/raw_unary.h"
+#include "proto/raw_rpc.h"
 
 namespace himoe::router {
 
@@ -56,7 +56,7 @@ namespace {
 // Streams what a generation thread samples: the thread queues each token and
 // at most one write is in flight. StartWrite and Finish are called without
 // the lock held, since gRPC may run reactions inline.
-class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   GenerateReactor(std::shared_ptr<model::TextGenerator> generator, model::GenerateParams params)
       : generator_(std::move(generator)), byte_level_(generator_->byte_level()) {
@@ -88,9 +88,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
       v1::GenerateResponse response;
       response.set_token(token);
       if (byte_level_) response.set_text(std::string(1, static_cast<char>(token)));
+      grpc::ByteBuffer bytes;
+      if (!SerializeRaw(response, &bytes).ok()) return false;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        queue_.push_back(std::move(response));
+        queue_.push_back(std::move(bytes));
       }
       Pump();
       return true;
@@ -129,8 +131,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   std::thread thread_;
   std::atomic<bool> cancelled_{false};
   std::mutex mu_;
-  std::deque<v1::GenerateResponse> queue_;
-  v1::GenerateResponse current_;
+  std::deque<grpc::ByteBuffer> queue_;  // serialized v1::GenerateResponse
+  grpc::ByteBuffer current_;
   bool writing_ = false;
   bool generated_ = false;
   bool finished_ = false;
@@ -168,26 +170,23 @@ absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
   return x;
 }
 
-grpc::ServerWriteReactor<v1::GenerateResponse>* RouterGrpcService::Generate(
-    grpc::CallbackServerContext* /*context*/, const v1::GenerateRequest* request) {
-  absl::Status status;
-  if (generator_ == nullptr) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* RouterGrpcService::Generate(
+    grpc::CallbackServerContext* /*context*/, const grpc::ByteBuffer* raw_request) {
+  v1::GenerateRequest request;
+  absl::Status status = ParseRaw(*raw_request, "request", &request);
+  if (!status.ok()) {
+    // reported below
+  } else if (generator_ == nullptr) {
     status = absl::FailedPreconditionError(
         "Generate: this router serves no language model; start himoe-router with "
         "--checkpoint <trainer checkpoint>");
-  } else if (auto params = DecodeGenerateRequest(*request, *generator_); !params.ok()) {
+  } else if (auto params = DecodeGenerateRequest(request, *generator_); !params.ok()) {
     status = params.status();
   } else {
     return new GenerateReactor(generator_, *std::move(params));
   }
   if (metrics_ != nullptr) metrics_->OnError(static_cast<int>(status.code()));
-  // A reactor that only reports the error.
-  class Rejected final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
-   public:
-    explicit Rejected(const absl::Status& s) { Finish(ToGrpcStatus(s)); }
-    void OnDone() override { delete this; }
-  };
-  return new Rejected(status);
+  return RejectStream<grpc::ServerWriteReactor<grpc::ByteBuffer>>(ToGrpcStatus(status));
 }
 
 grpc::ServerUnaryReactor* RouterGrpcService::Info(grpc::CallbackServerContext* context,

@@ -57,7 +57,8 @@ absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
 class RouterGrpcService final
     : public v1::RouterService::WithRawCallbackMethod_Info<
           v1::RouterService::WithRawCallbackMethod_RouteForward<
-              v1::RouterService::CallbackService>> {
+              v1::RouterService::WithRawCallbackMethod_Generate<
+                  v1::RouterService::CallbackService>>> {
  public:
   RouterGrpcService(RemoteMoE* moe, Batcher* batcher, RouterMetrics* metrics,
                     int64_t max_tokens,
@@ -72,16 +73,17 @@ class RouterGrpcService final
     }
   }
 
-  // Unary methods are registered raw: bytes that do not parse as the request
-  // message get INVALID_ARGUMENT naming it (ServeUnary).
+  // Every method is registered raw: bytes that do not parse as the request
+  // message get INVALID_ARGUMENT naming it (ParseRaw).
   grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* context,
                                  const grpc::ByteBuffer* request,
                                  grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* RouteForward(grpc::CallbackServerContext* context,
                                          const grpc::ByteBuffer* request,
                                          grpc::ByteBuffer* response) override;
-  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
-      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+  // Streams v1::GenerateResponse messages.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Generate(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request) override;
 
  private:
   absl::Status FillInfo(v1::RouterInfoResponse* response) const;
@@ -131,11 +133,6 @@ class RouterServer {
   int port_ = 0;
   std::once_flag shutdown_once_;
 };
-
-// Validates a RouteForward request's hidden states: a finite [T, d_model]
-// float32/bfloat16 tensor with 1 <= T <= max_tokens.
-absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
-                                        int64_t d_model, int64_t max_tokens);
 
 // A Generate request as GenerateParams, validated against `generator`.
 absl::StatusOr<model::GenerateParams> DecodeGenerateRequest(

@@ -26,6 +26,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "common/tensor_codec.h"
 #include "expert_service/expert_client.h"
 #include "expert_service/expert_group.h"
@@ -35,6 +36,7 @@
 #include "himoe/v1/expert.grpc.pb.h"
 #include "proto/grpc_status.h"
 #include "tests/expert_service/expert_test_util.h"
+#include "tests/raw_grpc_call.h"
 
 extern char** environ;
 
@@ -540,26 +542,52 @@ TEST_F(ExpertServiceTest, ReflectionListsTheServices) {
   EXPECT_THAT(call.reply(), HasSubstr("grpc.health.v1.Health"));
 }
 
-// Bytes that are not a request message: the typed callback API answered
-// UNIMPLEMENTED with an empty message.
+// Bytes that are not a request message, on every method: the typed callback
+// API answered UNIMPLEMENTED with an empty message.
 TEST_F(ExpertServiceTest, UnparsableRequestBytesAreInvalidArgument) {
-  grpc::GenericStub generic(channel_);
-  std::mt19937 rng(3);
-  std::string garbage(64, '\0');
-  for (char& c : garbage) c = static_cast<char>(rng());
-  grpc::Slice slice(garbage);
-  grpc::ByteBuffer request(&slice, 1);
-  grpc::ByteBuffer response;
-  grpc::ClientContext context;
-  std::promise<grpc::Status> done;
-  generic.UnaryCall(&context, "/himoe.v1.ExpertService/Forward", grpc::StubOptions(), &request,
-                    &response, [&done](grpc::Status s) { done.set_value(std::move(s)); });
-  const grpc::Status status = done.get_future().get();
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(status.error_message(),
-            "request: 64 bytes do not parse as himoe.v1.ExpertForwardRequest");
+  // Field 2^32 - 1 with wire type 7, which no message has.
+  const std::string garbage = "\xff\xff\xff\xff\x0f not a protobuf message";
+  const std::pair<const char*, const char*> calls[] = {
+      {"Info", "ExpertInfoRequest"},   {"Forward", "ExpertForwardRequest"},
+      {"Backward", "ExpertBackwardRequest"}, {"Step", "ExpertStepRequest"},
+      {"Abort", "ExpertAbortRequest"}, {"BeginRun", "BeginRunRequest"},
+      {"GetState", "GetStateRequest"}};
+  for (const auto& [method, message] : calls) {
+    const testutil::RawCallResult r =
+        testutil::RawCall(channel_, absl::StrCat("/himoe.v1.ExpertService/", method), {garbage});
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_EQ(r.status.error_message(), absl::StrCat("request: ", garbage.size(),
+                                                     " bytes do not parse as himoe.v1.", message))
+        << method;
+    EXPECT_TRUE(r.replies.empty()) << method;
+  }
   v1::ExpertForwardResponse good;
   EXPECT_TRUE(Forward(MakeRequest(1, {{2, at::randn({2, kD})}}), &good).ok());
+}
+
+// SetState: a stream whose second message is not a StateChunk is refused
+// naming the chunk, and nothing of it is applied (its first chunk was valid).
+TEST_F(ExpertServiceTest, AnUnparsableStateChunkIsInvalidArgumentAndAppliesNothing) {
+  grpc::Status status;
+  const std::vector<v1::StateChunk> before = GetState(0, &status);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_GE(before.size(), 2u);
+  v1::StateChunk changed = before[0];
+  ASSERT_TRUE(changed.last()) << "a small tensor fits in one chunk";
+  for (char& c : *changed.mutable_data()) c = static_cast<char>(c ^ 0x55);
+  const std::string garbage = "\xff\xff\xff\xff\x0f not a protobuf message";
+  const testutil::RawCallResult r = testutil::RawCall(
+      channel_, "/himoe.v1.ExpertService/SetState", {changed.SerializeAsString(), garbage});
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(r.status.error_message(),
+            absl::StrCat("state chunk 1: ", garbage.size(),
+                         " bytes do not parse as himoe.v1.StateChunk"));
+  const std::vector<v1::StateChunk> after = GetState(0, &status);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(after[i].SerializeAsString(), before[i].SerializeAsString()) << before[i].name();
+  }
 }
 
 // A second server on a port already served is refused: with SO_REUSEPORT the

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include <gmock/gmock.h>
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <prometheus/exposer.h>
@@ -22,6 +21,7 @@
 #include "router_service/local_moe.h"
 #include "router_service/router_grpc_service.h"
 #include "tests/http_get.h"
+#include "tests/raw_grpc_call.h"
 #include "tests/router_service/expert_cluster_util.h"
 #include "tests/router_service/routing_test_util.h"
 
@@ -238,29 +238,32 @@ TEST_F(RouterServiceTest, BadInputIsInvalidArgumentAndServerKeepsServing) {
   }
 }
 
-// Bytes that are not a RouteForwardRequest get INVALID_ARGUMENT naming the
-// message (the typed callback API answered UNIMPLEMENTED with no message).
+// Bytes that are not the request message get INVALID_ARGUMENT naming it, on
+// every method (the typed callback API answered UNIMPLEMENTED with no
+// message). Generate parses before it looks for a model.
 TEST_F(RouterServiceTest, UnparsableRequestBytesAreInvalidArgument) {
   StartRouter(Options(RoutingMethod::kHiMoe));
-  grpc::GenericStub generic(
-      grpc::CreateChannel(Loopback(router_->port()), grpc::InsecureChannelCredentials()));
+  const auto channel =
+      grpc::CreateChannel(Loopback(router_->port()), grpc::InsecureChannelCredentials());
   const std::pair<const char*, const char*> calls[] = {
-      {"/himoe.v1.RouterService/RouteForward", "himoe.v1.RouteForwardRequest"},
-      {"/himoe.v1.RouterService/Info", "himoe.v1.RouterInfoRequest"}};
+      {"RouteForward", "RouteForwardRequest"},
+      {"Info", "RouterInfoRequest"},
+      {"Generate", "GenerateRequest"}};
+  // Field 2^32 - 1 with wire type 7, which no message has.
+  const std::string garbage = "\xff\xff\xff\xff\x0f not a protobuf message";
   for (const auto& [method, message] : calls) {
-    const std::string garbage = "\xff\xff\xff\xff\x0f not a protobuf message";
-    grpc::Slice slice(garbage);
-    grpc::ByteBuffer request(&slice, 1);
-    grpc::ByteBuffer response;
-    grpc::ClientContext context;
-    std::promise<grpc::Status> done;
-    generic.UnaryCall(&context, method, grpc::StubOptions(), &request, &response,
-                      [&done](grpc::Status s) { done.set_value(std::move(s)); });
-    const grpc::Status status = done.get_future().get();
-    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
-    EXPECT_EQ(status.error_message(), absl::StrCat("request: ", garbage.size(),
-                                                   " bytes do not parse as ", message));
+    const testutil::RawCallResult r =
+        testutil::RawCall(channel, absl::StrCat("/himoe.v1.RouterService/", method), {garbage});
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_EQ(r.status.error_message(), absl::StrCat("request: ", garbage.size(),
+                                                     " bytes do not parse as himoe.v1.", message))
+        << method;
+    EXPECT_TRUE(r.replies.empty()) << method;
   }
+  // A well-formed Generate gets to the model check.
+  const testutil::RawCallResult no_model = testutil::RawCall(
+      channel, "/himoe.v1.RouterService/Generate", {v1::GenerateRequest().SerializeAsString()});
+  EXPECT_EQ(no_model.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   const at::Tensor x = at::randn({5, kD});
   auto good = Route(0, x);
   ASSERT_TRUE(good.ok()) << good.status();
