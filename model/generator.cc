@@ -88,7 +88,9 @@ absl::Status Generator::Generate(const GenerateParams& params,
         token = logits.argmax().item<int64_t>();
         return absl::OkStatus();
       }
-      at::Tensor scaled = logits / params.temperature;
+      // Shifted first, so that a tiny temperature overflows to -inf (weight
+      // 0) rather than to inf - inf = NaN: the limit is greedy.
+      at::Tensor scaled = (logits - logits.max()) / params.temperature;
       if (params.top_k > 0 && params.top_k < scaled.size(0)) {
         const at::Tensor kth = std::get<0>(at::topk(scaled, params.top_k)).select(0, -1);
         scaled = scaled.masked_fill(scaled < kth, -std::numeric_limits<float>::infinity());

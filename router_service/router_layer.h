@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include <ATen/TensorOperators.h>  // Total()'s +
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 

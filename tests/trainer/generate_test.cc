@@ -237,6 +237,12 @@ TEST(GenerateTest, GreedyIsTheArgmaxOfEachPrefix) {
     context.push_back(greedy[i]);
   }
   EXPECT_EQ(Sample(*g, Params(prompt, 40, 1.0, 1, 99)), greedy);
+  // The limit T -> 0 is greedy, down to the smallest temperatures a float
+  // holds, where logits / T overflows (found by the Generate fuzz target:
+  // such a request failed).
+  for (const double tiny : {1e-30, 4.5e-37, 1e-45}) {
+    EXPECT_EQ(Sample(*g, Params(prompt, 40, tiny, 0, 7)), greedy) << "temperature " << tiny;
+  }
 }
 
 TEST(GenerateTest, TrainedModelWritesText) {
