@@ -93,6 +93,12 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
                            "max_tokens_per_request must be >= 1, max_queue_delay_us >= 0");
   }
   if (r.threads() < 0) return Invalid(origin, "router.threads must be >= 0");
+  if (c.has_tls()) {
+    const v1::TlsSpec& t = c.tls();
+    if (t.ca().empty() || t.cert().empty() || t.key().empty()) {
+      return Invalid(origin, "tls: ca, cert and key are all needed (PEM files)");
+    }
+  }
   return c;
 }
 
@@ -101,11 +107,25 @@ absl::StatusOr<v1::ClusterConfig> LoadClusterConfig(const std::string& path) {
   if (!in) return absl::NotFoundError(absl::StrCat("cluster file ", path, ": cannot open"));
   std::stringstream buffer;
   buffer << in.rdbuf();
-  return ParseClusterConfig(buffer.str(), path);
+  absl::StatusOr<v1::ClusterConfig> c = ParseClusterConfig(buffer.str(), path);
+  if (c.ok() && c->has_tls()) {
+    const std::string::size_type slash = path.rfind('/');
+    const std::string dir = slash == std::string::npos ? "" : path.substr(0, slash + 1);
+    for (std::string* file : {c->mutable_tls()->mutable_ca(), c->mutable_tls()->mutable_cert(),
+                              c->mutable_tls()->mutable_key()}) {
+      if (!file->empty() && (*file)[0] != '/') *file = dir + *file;
+    }
+  }
+  return c;
 }
 
 int ServiceThreads(const v1::ClusterConfig& cluster, int configured) {
   return configured > 0 ? configured : ShareOfCores(cluster.groups_size() + 1);
+}
+
+TlsFiles ClusterTls(const v1::ClusterConfig& cluster, const TlsFiles& flags) {
+  if (flags.enabled() || !cluster.has_tls()) return flags;
+  return TlsFiles{cluster.tls().ca(), cluster.tls().cert(), cluster.tls().key()};
 }
 
 }  // namespace himoe

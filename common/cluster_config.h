@@ -5,12 +5,14 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/tls_files.h"
 #include "himoe/v1/cluster.pb.h"
 
 namespace himoe {
 
 // Parses a cluster file (protobuf text format) and validates it; errors name
-// the file and the field. Defaults are filled in (see cluster.proto).
+// the file and the field. Defaults are filled in (see cluster.proto). Load
+// makes the tls paths relative to the file's folder.
 absl::StatusOr<v1::ClusterConfig> LoadClusterConfig(const std::string& path);
 absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
                                                      absl::string_view origin);
@@ -19,6 +21,10 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
 // (a group's or the router's `threads`), or for 0 an equal share of this
 // host's cores among the groups and the router, at least 1.
 int ServiceThreads(const v1::ClusterConfig& cluster, int configured);
+
+// The TLS files of a service of `cluster`: `flags` when any is set (the
+// command line overrides the file), else the cluster file's `tls`.
+TlsFiles ClusterTls(const v1::ClusterConfig& cluster, const TlsFiles& flags = TlsFiles());
 
 }  // namespace himoe
 

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -34,6 +35,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/file_util.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 
@@ -252,13 +254,48 @@ bool CpuHas(const char* feature) {
   return __builtin_cpu_supports("avx");
 }
 
+// What a cached kernel choice is valid for: this CPU (its /proc/cpuinfo
+// identity and flags) and this BLIS (its table of kernel sets).
+std::string KernelCacheKey(const std::string& blis_table) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line, identity;
+  uint64_t flags_hash = 14695981039346656037ull;  // FNV-1a of the flags line
+  while (std::getline(cpuinfo, line) && !line.empty()) {  // the first processor
+    const std::string field(absl::StripAsciiWhitespace(line.substr(0, line.find(':'))));
+    const std::string value(
+        absl::StripAsciiWhitespace(line.find(':') == std::string::npos
+                                       ? ""
+                                       : line.substr(line.find(':') + 1)));
+    if (field == "vendor_id" || field == "cpu family" || field == "model" ||
+        field == "model name" || field == "stepping") {
+      absl::StrAppend(&identity, field, "=", value, ";");
+    } else if (field == "flags") {
+      for (const unsigned char c : value) flags_hash = (flags_hash ^ c) * 1099511628211ull;
+    }
+  }
+  return absl::StrCat("cpu ", identity, " flags ", absl::Hex(flags_hash), " | blis ",
+                      blis_table);
+}
+
+// The cached choice for `key`, or empty (no file, another key, or a kernel set
+// BLIS does not list).
+std::string ReadCachedKernels(const std::string& path, const std::string& key,
+                              const std::map<std::string, std::string>& ids) {
+  if (path.empty()) return "";
+  std::ifstream in(path);
+  std::string cached_key, kernels;
+  if (!std::getline(in, cached_key) || !std::getline(in, kernels)) return "";
+  if (cached_key != key || ids.count(kernels) == 0) return "";
+  return kernels;
+}
+
 // Keeps BLIS's own kernel choice when it knows the CPU (anything but
-// 'generic'); otherwise times every kernel set the CPU supports, one thread
-// each, and keeps the fastest correct one. Exports the choice in
-// BLIS_ARCH_TYPE.
-void SelectBlisKernels(bool probe, ComputeSetup& setup) {
-  const std::vector<std::string> answer = absl::StrSplit(
-      InChild("", 1, [] { return BlisKernelSets(); }), ' ', absl::SkipEmpty());
+// 'generic'); otherwise takes the choice cached for this CPU and BLIS, or
+// times every kernel set the CPU supports, one thread each, keeps the fastest
+// correct one and caches it. Exports the choice in BLIS_ARCH_TYPE.
+void SelectBlisKernels(bool probe, const std::string& cache_file, ComputeSetup& setup) {
+  const std::string table = InChild("", 1, [] { return BlisKernelSets(); });
+  const std::vector<std::string> answer = absl::StrSplit(table, ' ', absl::SkipEmpty());
   if (answer.size() < 2 || answer[0] != "OK") {
     setup.kernels_source = "library";
     return;
@@ -271,20 +308,39 @@ void SelectBlisKernels(bool probe, ComputeSetup& setup) {
   setup.kernels = answer[1];
   setup.kernels_source = "library";
   if (probe && setup.kernels == "generic") {
-    double best = 0;
-    for (const std::string& name : CandidateBlisKernels()) {
-      if (ids.count(name) == 0) continue;
-      KernelProbe p;
-      p.name = name;
-      p.gflops = ParseProbe(InChild(ids[name], 1,
-                                    [] { return RunGemmProbe(1, 1024, 256, 512, 0.04); }),
-                            &p.error);
-      if (p.error.empty() && p.gflops > best) {
-        best = p.gflops;
-        setup.kernels = name;
-        setup.kernels_source = "probed";
+    const std::string key = KernelCacheKey(table);
+    if (std::string cached = ReadCachedKernels(cache_file, key, ids); !cached.empty()) {
+      setup.kernels = std::move(cached);
+      setup.kernels_source = "cached";
+    } else {
+      double best = 0;
+      for (const std::string& name : CandidateBlisKernels()) {
+        if (ids.count(name) == 0) continue;
+        KernelProbe p;
+        p.name = name;
+        p.gflops = ParseProbe(InChild(ids[name], 1,
+                                      [] { return RunGemmProbe(1, 1024, 256, 512, 0.04); }),
+                              &p.error);
+        if (p.error.empty() && p.gflops > best) {
+          best = p.gflops;
+          setup.kernels = name;
+          setup.kernels_source = "probed";
+        }
+        setup.probes.push_back(p);
       }
-      setup.probes.push_back(p);
+      if (setup.kernels_source == "probed" && !cache_file.empty()) {
+        const std::string::size_type slash = cache_file.rfind('/');
+        if (slash != std::string::npos && slash > 0) {
+          std::error_code ignored;
+          std::filesystem::create_directories(cache_file.substr(0, slash), ignored);
+        }
+        // A cache that cannot be written only costs the next start a probe.
+        if (absl::Status s = WriteFileAtomically(cache_file,
+                                                 absl::StrCat(key, "\n", setup.kernels, "\n"));
+            !s.ok()) {
+          LOG(INFO) << "BLIS kernel choice not cached: " << s;
+        }
+      }
     }
   }
   if (ids.count(setup.kernels)) setenv(kArchEnv, ids[setup.kernels].c_str(), 1);
@@ -427,7 +483,7 @@ absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options) {
       setup.kernels = BlisKernelName(forced);
       setup.kernels_source = kArchEnv;
     } else {
-      SelectBlisKernels(options.probe_kernels, setup);
+      SelectBlisKernels(options.probe_kernels, options.kernel_cache_file, setup);
     }
     if (options.probe_kernels && library.blis_threading == "pthread") SelectBlisThreads(setup);
   }
@@ -456,10 +512,23 @@ void LogComputeSetup(const ComputeSetup& setup) {
   for (const std::string& warning : setup.Warnings()) LOG(WARNING) << warning;
 }
 
+std::string DefaultKernelCacheFile() {
+  std::string dir;
+  if (const char* d = std::getenv("HIMOE_CACHE_DIR"); d != nullptr) {
+    dir = d;  // empty: no cache
+  } else if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg) {
+    dir = absl::StrCat(xdg, "/himoe");
+  } else if (const char* home = std::getenv("HOME"); home != nullptr && *home) {
+    dir = absl::StrCat(home, "/.cache/himoe");
+  }
+  return dir.empty() ? "" : absl::StrCat(dir, "/blis-kernels");
+}
+
 absl::Status ConfigureServingCompute(int threads, bool probe_kernels) {
   ComputeOptions options;
   options.threads = threads;
   options.probe_kernels = probe_kernels;
+  options.kernel_cache_file = DefaultKernelCacheFile();
   options.gemm_gflops = -1;
   HIMOE_ASSIGN_OR_RETURN(const ComputeSetup setup, ConfigureCompute(options));
   LogComputeSetup(setup);

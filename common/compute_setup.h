@@ -18,6 +18,9 @@ struct ComputeOptions {
   // and keep the fastest. Otherwise BLIS picks, and on CPUs it does not know
   // it falls back to its slow 'generic' kernels.
   bool probe_kernels = true;
+  // Where the probe's choice is kept for the next start on this CPU and BLIS
+  // (DefaultKernelCacheFile()); empty = probe every time.
+  std::string kernel_cache_file;
   // The machine's GEMM rate in GFLOP/s; > 0 skips the probe that measures it,
   // 0 measures it, < 0 neither (gemm_gflops stays 0).
   double gemm_gflops = 0;
@@ -38,7 +41,7 @@ struct ComputeSetup {
   int blas_threads = 1;
   std::string blas;            // e.g. "BLIS (openmp)"
   std::string kernels;         // the kernel set in use, e.g. "skx"
-  std::string kernels_source;  // "probed", "BLIS_ARCH_TYPE", "library"
+  std::string kernels_source;  // "probed", "cached", "BLIS_ARCH_TYPE", "library"
   std::vector<KernelProbe> probes;
   // A [2048,128]x[128,512] product with 1 and with `threads` BLAS threads;
   // timed for BLIS's pthreads build only.
@@ -64,8 +67,13 @@ absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options);
 // Summary() at INFO, each warning at WARNING.
 void LogComputeSetup(const ComputeSetup& setup);
 
-// The serving binaries' set-up: ConfigureCompute without the GEMM-rate
-// probe, logged.
+// The kernel cache of this user: $HIMOE_CACHE_DIR/blis-kernels (an empty
+// HIMOE_CACHE_DIR: none), else $XDG_CACHE_HOME/himoe/..., else
+// $HOME/.cache/himoe/...
+std::string DefaultKernelCacheFile();
+
+// The serving binaries' set-up: ConfigureCompute with the default kernel
+// cache and without the GEMM-rate probe, logged.
 absl::Status ConfigureServingCompute(int threads, bool probe_kernels);
 
 // Kernel sets this CPU can run, fastest family first (BLIS names).

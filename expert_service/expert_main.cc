@@ -13,6 +13,7 @@
 #include "common/file_util.h"
 #include "common/host_port.h"
 #include "common/metrics_endpoint.h"
+#include "common/process_stats.h"
 #include "common/program.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
@@ -131,11 +132,13 @@ void LogServing(ExpertServer& server, const ExpertServerOptions& options) {
             << "; serving on " << server.address();
 }
 
-absl::Status Run() {
+absl::Status Run(StartupTimer& startup) {
   HIMOE_RETURN_IF_ERROR(
       ConfigureServingCompute(absl::GetFlag(FLAGS_threads), absl::GetFlag(FLAGS_blas_probe)));
+  startup.Mark("compute set-up");
   HIMOE_ASSIGN_OR_RETURN(const ExpertServerOptions options, OptionsFromFlags());
   HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<ExpertServer> server, ExpertServer::Start(options));
+  startup.Mark("experts and server");
   LogServing(*server, options);
   std::shared_ptr<ExpertMetrics> metrics;
   HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<prometheus::Exposer> exposer,
@@ -145,6 +148,8 @@ absl::Status Run() {
   if (const std::string port_file = absl::GetFlag(FLAGS_port_file); !port_file.empty()) {
     HIMOE_RETURN_IF_ERROR(WriteFileAtomically(port_file, ports + "\n"));
   }
+  startup.Mark("metrics");
+  LOG(INFO) << startup.Summary();
 
   int sig = 0;
   while ((sig = WaitForStopSignal(std::chrono::milliseconds(500))) == 0) {
@@ -160,13 +165,14 @@ absl::Status Run() {
 }  // namespace himoe::expert
 
 int main(int argc, char** argv) {
+  himoe::StartupTimer startup;
   himoe::BlockStopSignals();  // before any thread starts: they inherit the mask
   himoe::ParseCommandLine(argc, argv, himoe::expert::kUsage);
   if (std::getenv("GLOG_logtostderr") == nullptr && std::getenv("GLOG_log_dir") == nullptr) {
     FLAGS_logtostderr = true;
   }
   google::InitGoogleLogging(argv[0]);
-  const absl::Status status = himoe::expert::Run();
+  const absl::Status status = himoe::expert::Run(startup);
   if (!status.ok()) {
     LOG(ERROR) << "himoe-expert: " << status;
     return 1;

@@ -8,18 +8,9 @@
 #include <grpcpp/security/server_credentials.h>
 
 #include "absl/status/statusor.h"
+#include "common/tls_files.h"
 
 namespace himoe {
-
-// PEM files for mutual TLS: the CA that signs every peer, and this process's
-// certificate chain and private key. All empty = plaintext; otherwise all
-// three are needed.
-struct TlsFiles {
-  std::string ca_file;
-  std::string cert_file;
-  std::string key_file;
-  bool enabled() const { return !ca_file.empty() || !cert_file.empty() || !key_file.empty(); }
-};
 
 // Server side. With TLS the port speaks TLS only (plaintext clients fail the
 // handshake), and every client must present a certificate signed by the CA,

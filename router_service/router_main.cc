@@ -14,6 +14,7 @@
 #include "common/file_util.h"
 #include "common/host_port.h"
 #include "common/metrics_endpoint.h"
+#include "common/process_stats.h"
 #include "common/program.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
@@ -39,7 +40,8 @@ ABSL_FLAG(std::string, port_file, "",
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "Max gRPC message size, both directions");
 ABSL_FLAG(std::string, tls_ca, "",
           "mutual TLS of the RouterService port and of the calls to the groups: PEM of the "
-          "CA that signs every peer (with --tls_cert, --tls_key; all empty = plaintext)");
+          "CA that signs every peer (with --tls_cert, --tls_key; all empty = the cluster "
+          "file's tls, or plaintext)");
 ABSL_FLAG(std::string, tls_cert, "", "mutual TLS: PEM certificate (chain) of this process");
 ABSL_FLAG(std::string, tls_key, "", "mutual TLS: PEM private key of --tls_cert");
 ABSL_FLAG(std::string, checkpoint, "",
@@ -75,14 +77,14 @@ absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& 
     go.addresses.insert(go.addresses.end(), g.replicas().begin(), g.replicas().end());
     go.deadline = std::chrono::milliseconds(cluster.router().deadline_ms());
     go.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-    go.tls = TlsFromFlags();
+    go.tls = ClusterTls(cluster, TlsFromFlags());
     o.moe.groups.push_back(go);
   }
   o.batching.max_batch_tokens = cluster.router().max_batch_tokens();
   o.batching.max_queue_delay = std::chrono::microseconds(cluster.router().max_queue_delay_us());
   o.max_tokens_per_request = cluster.router().max_tokens_per_request();
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  o.tls = TlsFromFlags();
+  o.tls = ClusterTls(cluster, TlsFromFlags());
   o.address = absl::GetFlag(FLAGS_address).empty() ? cluster.router().address()
                                                     : absl::GetFlag(FLAGS_address);
   if (o.address.empty()) o.address = "0.0.0.0:50050";
@@ -121,9 +123,10 @@ absl::Status ServeCheckpoint(const v1::ClusterConfig& cluster,
   return absl::OkStatus();
 }
 
-absl::Status Run() {
+absl::Status Run(StartupTimer& startup) {
   HIMOE_RETURN_IF_ERROR(
       ConfigureServingCompute(absl::GetFlag(FLAGS_threads), absl::GetFlag(FLAGS_blas_probe)));
+  startup.Mark("compute set-up");
   if (absl::GetFlag(FLAGS_cluster).empty()) {
     return absl::InvalidArgumentError("--cluster is required (see --help)");
   }
@@ -134,6 +137,7 @@ absl::Status Run() {
     HIMOE_ASSIGN_OR_RETURN(model::CheckpointContents contents, model::ReadCheckpoint(checkpoint));
     HIMOE_RETURN_IF_ERROR(ServeCheckpoint(
         cluster, std::make_shared<const model::CheckpointContents>(std::move(contents)), &o));
+    startup.Mark("checkpoint read");
   }
 
   const int metrics_port = absl::GetFlag(FLAGS_metrics_port) >= 0
@@ -146,13 +150,18 @@ absl::Status Run() {
   exposer->RegisterCollectable(registry);
   o.registry = registry.get();
 
+  startup.Mark("metrics");
+  // Includes asking every group for its Info and, with --checkpoint, pushing
+  // the expert weights to the groups.
   HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<RouterServer> server, RouterServer::Start(o));
+  startup.Mark("groups and server");
   LOG(INFO) << "himoe-router serving on port " << server->port() << " (metrics on "
             << MetricsPort(*exposer) << "), " << RoutingConfigDebugString(o.moe.routing);
   if (const std::string f = absl::GetFlag(FLAGS_port_file); !f.empty()) {
     HIMOE_RETURN_IF_ERROR(
         WriteFileAtomically(f, absl::StrCat(server->port(), " ", MetricsPort(*exposer), "\n")));
   }
+  LOG(INFO) << startup.Summary();
   while (WaitForStopSignal(std::chrono::milliseconds(500)) == 0) {
   }
   LOG(INFO) << "himoe-router shutting down";
@@ -164,11 +173,12 @@ absl::Status Run() {
 }  // namespace himoe::router
 
 int main(int argc, char** argv) {
+  himoe::StartupTimer startup;
   himoe::BlockStopSignals();  // before any thread starts: they inherit the mask
   himoe::ParseCommandLine(argc, argv, himoe::router::kUsage);
   google::InitGoogleLogging(argv[0]);
   FLAGS_logtostderr = true;
-  const absl::Status status = himoe::router::Run();
+  const absl::Status status = himoe::router::Run(startup);
   if (!status.ok()) {
     LOG(ERROR) << "himoe-router: " << status;
     return 1;

@@ -3,6 +3,7 @@
 #
 #   scripts/bench.sh train [--steps N] [--out DIR] [-- extra himoe-trainer flags]
 #   scripts/bench.sh soak [scripts/soak.py flags: --seconds 60 --rate 100 ...]
+#   scripts/bench.sh startup [--reps N]
 #
 # train: back to back, on the released code's config (4 layers, d 128, block
 # 128, batch 16, 8 experts in 4 groups, K 4, width 512) and on the main job's
@@ -17,7 +18,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${HIMOE_BUILD_DIR:-${ROOT}/build}"
 TRAINER="${BUILD}/trainer/himoe-trainer"
 
-usage() { sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 
 [[ $# -ge 1 ]] || usage
 mode="$1"; shift
@@ -26,6 +27,13 @@ if [[ "${mode}" == soak ]]; then
   # (scripts/soak.py); writes runs/bench/soak.md.
   exec /usr/bin/python3 "${ROOT}/scripts/soak.py" --build "${BUILD}" \
     --out "${ROOT}/runs/bench/soak.md" "$@"
+fi
+if [[ "${mode}" == startup ]]; then
+  # startup: spawn-to-serving of himoe-expert and himoe-cluster, with and
+  # without the cached BLIS kernel choice (scripts/startup_bench.py); writes
+  # runs/bench/startup.md.
+  exec /usr/bin/python3 "${ROOT}/scripts/startup_bench.py" --build "${BUILD}" \
+    --out "${ROOT}/runs/bench/startup.md" "$@"
 fi
 [[ "${mode}" == train ]] || usage
 steps=60

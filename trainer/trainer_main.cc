@@ -121,8 +121,9 @@ ABSL_FLAG(std::string, on_group_failure, "",
           "empty = wait_and_resume with --experts=local, fail otherwise");
 ABSL_FLAG(int, max_group_restarts, 3, "group failures wait_and_resume recovers from, then fails");
 ABSL_FLAG(std::string, tls_ca, "",
-          "--experts=cluster: mutual TLS to the expert services: PEM of the CA that signs every "
-          "peer (with --tls_cert, --tls_key; all empty = plaintext)");
+          "mutual TLS to the expert services: PEM of the CA that signs every peer (with "
+          "--tls_cert, --tls_key). --experts=local starts its services with them too; "
+          "--experts=cluster: all empty = the cluster file's tls, or plaintext");
 ABSL_FLAG(std::string, tls_cert, "", "mutual TLS: PEM certificate (chain) of this process");
 ABSL_FLAG(std::string, tls_key, "", "mutual TLS: PEM private key of --tls_cert");
 ABSL_FLAG(int, group_wait_s, 300,
@@ -189,6 +190,11 @@ absl::StatusOr<TrainerOptions> OptionsFromFlags() {
   return o;
 }
 
+TlsFiles TlsFromFlags() {
+  return TlsFiles{absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
+                  absl::GetFlag(FLAGS_tls_key)};
+}
+
 // --experts=local: M himoe-expert processes on 127.0.0.1.
 absl::StatusOr<std::unique_ptr<local::LocalExpertCluster>> StartLocalExperts(
     const std::string& out_dir, TrainerOptions* o) {
@@ -197,6 +203,8 @@ absl::StatusOr<std::unique_ptr<local::LocalExpertCluster>> StartLocalExperts(
   e.threads = absl::GetFlag(FLAGS_expert_threads);
   e.log_dir = absl::StrCat(out_dir, "/experts");
   e.metrics_port_base = absl::GetFlag(FLAGS_expert_metrics_port);
+  e.tls = TlsFromFlags();
+  o->tls = e.tls;
   HIMOE_ASSIGN_OR_RETURN(auto spawned, local::LocalExpertCluster::Start(e));
   o->remote_experts = true;
   o->expert_addresses = spawned->addresses();
@@ -227,8 +235,7 @@ absl::Status UseClusterExperts(TrainerOptions* o) {
   }
   o->remote_experts = true;
   for (const auto& g : cluster.groups()) o->expert_addresses.push_back(g.address());
-  o->tls = TlsFiles{absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
-                    absl::GetFlag(FLAGS_tls_key)};
+  o->tls = ClusterTls(cluster, TlsFromFlags());
   return absl::OkStatus();
 }
 
@@ -419,6 +426,7 @@ absl::Status Run() {
   // MFU is against the cores the run uses: with local expert processes, all.
   if (mode == "local") compute_options.gemm_threads = DefaultThreadCount();
   compute_options.probe_kernels = absl::GetFlag(FLAGS_blas_probe);
+  compute_options.kernel_cache_file = DefaultKernelCacheFile();
   compute_options.gemm_gflops = absl::GetFlag(FLAGS_gemm_gflops);
   HIMOE_ASSIGN_OR_RETURN(const ComputeSetup compute, ConfigureCompute(compute_options));
   LogComputeSetup(compute);

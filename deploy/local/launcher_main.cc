@@ -34,6 +34,7 @@
 #include "common/status_macros.h"
 #include "deploy/local/local_cluster.h"
 #include "deploy/local/process_set.h"
+#include "proto/tls_credentials.h"
 
 ABSL_FLAG(std::string, cluster, "", "Cluster file (protobuf text format), required");
 ABSL_FLAG(std::string, bin_dir, "",
@@ -52,7 +53,9 @@ constexpr int kExitFailed = 1;
 constexpr int kExitRefused = 2;  // (also himoe::ParseCommandLine's on a positional argument)
 constexpr auto kStopGrace = std::chrono::seconds(10);
 constexpr auto kRouterStopShare = std::chrono::seconds(5);
-constexpr auto kReadyPoll = std::chrono::milliseconds(200);
+// A round reads the port files and asks only services with one for Info:
+// cheap, so polled often (start-up is most of a restart's downtime).
+constexpr auto kReadyPoll = std::chrono::milliseconds(20);
 constexpr auto kServePoll = std::chrono::milliseconds(500);
 
 using Clock = std::chrono::steady_clock;
@@ -122,6 +125,7 @@ struct Launcher {
     o.shape = ExpertShapeFromCluster(cluster);
     o.device = group.device();
     o.threads = ServiceThreads(cluster, group.threads());
+    o.tls = ClusterTls(cluster);
     local::ServiceSpec spec;
     spec.name = absl::StrCat("expert group ", g);
     spec.log_path = absl::StrCat(log_dir, "/expert-", g, ".log");
@@ -129,6 +133,7 @@ struct Launcher {
     spec.port_file = absl::StrCat(log_dir, "/expert-", g, ".port");
     spec.address = group.address();
     spec.dial_host = DialHost(group_hosts[g].host);
+    spec.tls = o.tls;
     spec.argv = local::ExpertCommandLine(expert_bin, o, g, group_hosts[g].host,
                                          group_hosts[g].port, spec.port_file);
     if (group.metrics_port() > 0) {
@@ -168,6 +173,7 @@ struct Launcher {
     };
     spec.address = router_address;
     spec.dial_host = DialHost(router_host.host);
+    spec.tls = ClusterTls(cluster);  // the router reads it from --cluster
     spec.want_metrics_port = true;
     spec.probe = local::ProbeRouterInfo;
     spec.stop_first = true;  // so that the groups have no client left when they stop
@@ -365,7 +371,15 @@ absl::Status Validate(Launcher& l) {
   for (int g = 0; g < l.cluster.groups_size(); ++g) {
     HIMOE_RETURN_IF_ERROR(ValidateGroup(l, g, path, ports));
   }
-  return ValidateRouter(l, path, ports);
+  HIMOE_RETURN_IF_ERROR(ValidateRouter(l, path, ports));
+  // Unreadable or malformed TLS files are refused here, naming the file,
+  // rather than by every service after it started.
+  if (const TlsFiles tls = ClusterTls(l.cluster); tls.enabled()) {
+    if (absl::Status s = MakeChannelCredentials(tls).status(); !s.ok()) {
+      return Refused(path, absl::StrCat("tls: ", s.message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // The binaries and the log directory (created).

@@ -12,7 +12,7 @@ namespace himoe::local {
 namespace {
 
 constexpr auto kStopGrace = std::chrono::seconds(10);
-constexpr auto kReadyPoll = std::chrono::milliseconds(100);
+constexpr auto kReadyPoll = std::chrono::milliseconds(20);  // as himoe-cluster's
 constexpr char kLocalHost[] = "127.0.0.1";
 
 absl::StatusOr<std::string> ExpertBinary(const std::string& binary) {
@@ -31,7 +31,7 @@ std::vector<std::string> ExpertCommandLine(const std::string& binary,
                                            const std::string& host, int port,
                                            const std::string& port_file) {
   const v1::ExpertShape& s = options.shape;
-  return {
+  std::vector<std::string> argv = {
       binary,
       absl::StrCat("--address=", JoinHostPort(host, port)),
       absl::StrCat("--group_id=", group_id),
@@ -46,6 +46,12 @@ std::vector<std::string> ExpertCommandLine(const std::string& binary,
       absl::StrCat("--threads=", options.threads),
       absl::StrCat("--port_file=", port_file),
   };
+  if (options.tls.enabled()) {
+    argv.push_back(absl::StrCat("--tls_ca=", options.tls.ca_file));
+    argv.push_back(absl::StrCat("--tls_cert=", options.tls.cert_file));
+    argv.push_back(absl::StrCat("--tls_key=", options.tls.key_file));
+  }
+  return argv;
 }
 
 absl::StatusOr<std::unique_ptr<LocalExpertCluster>> LocalExpertCluster::Start(
@@ -86,6 +92,7 @@ absl::Status LocalExpertCluster::StartGroups(const ExpertProcessOptions& options
     }
     spec.want_metrics_port = metrics;
     spec.dial_host = kLocalHost;
+    spec.tls = options.tls;
     spec.probe = [g, shape = options.shape](const std::shared_ptr<grpc::Channel>& channel) {
       return ProbeExpertInfo(channel, g, shape);
     };

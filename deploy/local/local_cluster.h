@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/tls_files.h"
 #include "deploy/local/process_set.h"
 #include "himoe/v1/model.pb.h"
 
@@ -24,6 +25,9 @@ struct ExpertProcessOptions {
   // Prometheus /metrics of group g on 127.0.0.1:(metrics_port_base + g); 0 =
   // a port each picks; -1 = none. Only LocalExpertCluster reads it.
   int metrics_port_base = -1;
+  // Mutual TLS of every group's port (--tls_ca/--tls_cert/--tls_key); the
+  // readiness probes dial with it too. Empty = plaintext.
+  TlsFiles tls;
 };
 
 // M himoe-expert processes on 127.0.0.1 (ports picked by the services),
@@ -69,7 +73,7 @@ class LocalExpertCluster {
 };
 
 // The himoe-expert command line serving group `group_id` of `options.shape`
-// (device, threads) on --address=host:port, writing `port_file`.
+// (device, threads, tls) on --address=host:port, writing `port_file`.
 std::vector<std::string> ExpertCommandLine(const std::string& binary,
                                            const ExpertProcessOptions& options, int group_id,
                                            const std::string& host, int port,

@@ -36,6 +36,7 @@
 #include "common/status_macros.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "himoe/v1/router.grpc.pb.h"
+#include "proto/tls_credentials.h"
 
 namespace himoe::local {
 namespace {
@@ -351,7 +352,7 @@ absl::Status ServiceSet::Probe(Service& s) {
     if (!s.ports) return absl::UnavailableError("no port file yet (still starting)");
     const std::string target = JoinHostPort(s.spec.dial_host, s.ports->port);
     if (s.address.empty()) s.address = target;
-    s.channel = ProbeChannel(target);
+    HIMOE_ASSIGN_OR_RETURN(s.channel, ProbeChannel(target, s.spec.tls));
   }
   HIMOE_RETURN_IF_ERROR(s.spec.probe ? s.spec.probe(s.channel) : absl::OkStatus());
   s.ready = true;
@@ -474,13 +475,16 @@ std::optional<ServicePorts> ReadPortFile(const std::string& path, bool want_metr
   return ports;
 }
 
-std::shared_ptr<grpc::Channel> ProbeChannel(const std::string& target) {
+absl::StatusOr<std::shared_ptr<grpc::Channel>> ProbeChannel(const std::string& target,
+                                                            const TlsFiles& tls) {
+  HIMOE_ASSIGN_OR_RETURN(const std::shared_ptr<grpc::ChannelCredentials> credentials,
+                         MakeChannelCredentials(tls));
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  return grpc::CreateCustomChannel(target, credentials, args);
 }
 
 absl::Status ProbeExpertInfo(const std::shared_ptr<grpc::Channel>& channel, int group_id,

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/tls_files.h"
 #include "himoe/v1/model.pb.h"
 
 namespace grpc {
@@ -83,8 +84,10 @@ struct ServicePorts {
 };
 std::optional<ServicePorts> ReadPortFile(const std::string& path, bool want_metrics_port = false);
 
-// A channel for readiness probes: quick reconnects, a subchannel of its own.
-std::shared_ptr<grpc::Channel> ProbeChannel(const std::string& target);
+// A channel for readiness probes: quick reconnects, a subchannel of its own;
+// mutual TLS when `tls` is set (errors name a bad file).
+absl::StatusOr<std::shared_ptr<grpc::Channel>> ProbeChannel(const std::string& target,
+                                                            const TlsFiles& tls = TlsFiles());
 // One Info call (2 s deadline). OK when the himoe-expert answers as group
 // `group_id` and serves `shape` (CheckExpertShape).
 absl::Status ProbeExpertInfo(const std::shared_ptr<grpc::Channel>& channel, int group_id,
@@ -102,6 +105,7 @@ struct ServiceSpec {
   bool want_metrics_port = false;  // ready only once the port file names both ports
   std::string address;    // as configured, for messages; empty = dial_host:port once known
   std::string dial_host = "127.0.0.1";  // where this machine reaches it
+  TlsFiles tls;  // how the probe dials it; empty = plaintext
   // Called once the port file is there, with a channel to dial_host:port;
   // OK = ready, else what is still missing.
   std::function<absl::Status(const std::shared_ptr<grpc::Channel>&)> probe;

@@ -4,12 +4,18 @@
 #include "common/compute_setup.h"
 
 #include <stdlib.h>
+#include <unistd.h>
 
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -94,6 +100,66 @@ TEST(ComputeSetupTest, ProbedKernelsAreNotGenericAndProductsStayCorrect) {
   if (!pthreads) {
     EXPECT_EQ(setup->blas_threads, 2);
   }
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The probe's choice is cached for this CPU and BLIS: the next set-up (the
+// next start of a service) takes it without probing. An entry of another CPU
+// or BLIS, or naming kernels this BLIS lacks, is not trusted.
+TEST(ComputeSetupTest, TheKernelChoiceIsCachedForThisCpuAndBlis) {
+  unsetenv("BLIS_ARCH_TYPE");
+  const std::string dir =
+      absl::StrCat(::testing::TempDir(), "himoe_kernel_cache_", getpid());
+  ComputeOptions options;
+  options.threads = 1;
+  options.gemm_gflops = -1;
+  options.kernel_cache_file = dir + "/sub/blis-kernels";
+  auto first = ConfigureCompute(options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  if (!IsBlis(*first)) GTEST_SKIP() << "the system BLAS is " << first->blas << ", not BLIS";
+  if (first->kernels_source == "library") {
+    GTEST_SKIP() << "BLIS knows this CPU (kernels '" << first->kernels
+                 << "'): nothing is probed, so nothing is cached";
+  }
+  ASSERT_EQ(first->kernels_source, "probed");
+  const std::vector<std::string> lines =
+      absl::StrSplit(ReadFile(options.kernel_cache_file), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 2u);
+  const std::string key = lines[0];
+  EXPECT_THAT(key, HasSubstr("model name="));
+  EXPECT_THAT(key, HasSubstr("| blis OK generic "));
+  EXPECT_EQ(lines[1], first->kernels);
+  const std::string exported = getenv("BLIS_ARCH_TYPE");
+
+  unsetenv("BLIS_ARCH_TYPE");
+  auto cached = ConfigureCompute(options);
+  ASSERT_TRUE(cached.ok()) << cached.status();
+  EXPECT_EQ(cached->kernels_source, "cached");
+  EXPECT_EQ(cached->kernels, first->kernels);
+  EXPECT_TRUE(cached->probes.empty());
+  ASSERT_NE(getenv("BLIS_ARCH_TYPE"), nullptr);
+  EXPECT_EQ(getenv("BLIS_ARCH_TYPE"), exported);
+  EXPECT_THAT(cached->Summary(), HasSubstr("kernels '" + first->kernels + "' (cached)"));
+
+  for (const std::string& stale : {absl::StrCat("cpu another one\n", first->kernels, "\n"),
+                                   absl::StrCat(key, "\nno-such-kernels\n")}) {
+    SCOPED_TRACE(stale);
+    std::ofstream(options.kernel_cache_file, std::ios::trunc) << stale;
+    unsetenv("BLIS_ARCH_TYPE");
+    auto again = ConfigureCompute(options);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->kernels_source, "probed");
+    EXPECT_FALSE(again->probes.empty());
+    EXPECT_EQ(ReadFile(options.kernel_cache_file), absl::StrCat(key, "\n", again->kernels, "\n"));
+  }
+  ExpectMatmulMatchesHandSums();
+  std::filesystem::remove_all(dir);
 }
 
 // BLIS_ARCH_TYPE from the environment wins, is named, and 'generic' warns.

@@ -36,6 +36,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cpu_cores.h"
 #include "common/tensor_codec.h"
+#include "proto/tls_credentials.h"
 #include "tests/http_get.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "himoe/v1/router.grpc.pb.h"
@@ -284,7 +285,8 @@ class LauncherTest : public ::testing::Test {
                                          : std::vector<int>{0, 0};
     cluster_file_ = dir_.path() + "/cluster.textproto";
     WriteFile(cluster_file_, SmallCluster(ports[0], ports[1], ports[2], group_metrics_ports_[0],
-                                          group_metrics_ports_[1], threads));
+                                          group_metrics_ports_[1], threads) +
+                                 cluster_extra_);
     log_dir_ = dir_.path() + "/logs";
     std::vector<std::string> args = {HIMOE_CLUSTER_BINARY, "--cluster=" + cluster_file_,
                                      "--log_dir=" + log_dir_,
@@ -308,6 +310,7 @@ class LauncherTest : public ::testing::Test {
   }
 
   TempDir dir_;
+  std::string cluster_extra_;  // appended to the cluster file
   std::string cluster_file_, log_dir_;
   std::vector<int> group_ports_;
   std::vector<int> group_metrics_ports_;
@@ -387,6 +390,63 @@ TEST_F(LauncherTest, StartsServesAndStopsOnSigint) {
   EXPECT_THAT(launcher.Stdout(), HasSubstr("himoe-cluster: stopped"));
   // Nothing was killed for being slow to stop.
   EXPECT_THAT(launcher.Stderr(), Not(HasSubstr("SIGKILL")));
+}
+
+// A cluster file's tls: every group and the router serve mutual TLS only,
+// the launcher's readiness probes and the router's group calls use it, and
+// its paths are relative to the file's folder (the launcher runs elsewhere).
+TEST_F(LauncherTest, ServesMutualTlsOnEveryPortFromTheClusterFile) {
+  const std::string certs = dir_.path() + "/certs";
+  const std::string command = absl::StrCat(
+      "bash ", HIMOE_SOURCE_DIR, "/tests/router_service/make_test_certs.sh ", certs);
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  cluster_extra_ =
+      R"(tls { ca: "certs/ca.pem" cert: "certs/server.pem" key: "certs/server.key" })";
+  LauncherProcess launcher;
+  ASSERT_NO_FATAL_FAILURE(StartSmallCluster(launcher));
+  EXPECT_THAT(ReadFile(log_dir_ + "/expert-1.log"),
+              HasSubstr(absl::StrCat("--tls_ca=", certs, "/ca.pem")));
+
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> client = MakeChannelCredentials(
+      TlsFiles{certs + "/ca.pem", certs + "/client.pem", certs + "/client.key"});
+  ASSERT_TRUE(client.ok()) << client.status();
+  const auto route = [&](const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+                         at::Tensor* output) {
+    auto router = v1::RouterService::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", router_port_), credentials));
+    v1::RouteForwardRequest request;
+    request.set_layer(0);
+    EXPECT_TRUE(EncodeTensor(torch::randn({5, 16}), request.mutable_hidden()).ok());
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::RouteForwardResponse response;
+    const grpc::Status status = router->RouteForward(&context, request, &response);
+    if (status.ok()) *output = DecodeTensor(response.output(), "output").value();
+    return status;
+  };
+  at::Tensor output;
+  const grpc::Status tls = route(*client, &output);
+  ASSERT_TRUE(tls.ok()) << tls.error_message() << "\n" << launcher.Output();
+  EXPECT_EQ(output.sizes(), (std::vector<int64_t>{5, 16}));
+  EXPECT_TRUE(torch::isfinite(output).all().item<bool>());
+  EXPECT_GT(output.abs().sum().item<float>(), 0.0f);
+  EXPECT_EQ(route(grpc::InsecureChannelCredentials(), &output).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  {
+    auto expert = v1::ExpertService::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", group_ports_[0]), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::ExpertInfoResponse info;
+    EXPECT_EQ(expert->Info(&context, v1::ExpertInfoRequest(), &info).error_code(),
+              grpc::StatusCode::UNAVAILABLE);
+  }
+
+  ASSERT_EQ(kill(launcher.pid(), SIGINT), 0);
+  const std::optional<int> status = launcher.WaitExit(kExitBound);
+  ASSERT_TRUE(status.has_value()) << launcher.Output();
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << launcher.Output();
+  EXPECT_TRUE(NoChildLeft());
 }
 
 // threads: 0 is a share of the host, not every core for every service: the
@@ -594,6 +654,13 @@ groups { address: "127.0.0.1:50991" metrics_port: 70000 }
 router { address: "127.0.0.1:50990" })",
        {},
        {"groups[0].metrics_port 70000 is out of range"}},
+      {"tls without a key", good + R"(tls { ca: "ca.pem" cert: "server.pem" })",
+       {},
+       {"tls: ca, cert and key are all needed"}},
+      {"tls file missing",
+       good + R"(tls { ca: "no-ca.pem" cert: "no-server.pem" key: "no-server.key" })",
+       {},
+       {"tls: tls ca_file: cannot read ", "/no-ca.pem"}},
       {"missing file", "", {"--cluster=/nonexistent/cluster.textproto"}, {"cannot open"}},
       {"no --cluster", "", {}, {"--cluster FILE is required"}},
       {"positional argument", "", {"cluster.textproto"},

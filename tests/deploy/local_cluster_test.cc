@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -32,6 +33,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/tls_files.h"
 #include "deploy/local/local_cluster.h"
 #include "deploy/local/process_set.h"
 #include "himoe/v1/expert.grpc.pb.h"
@@ -235,7 +237,9 @@ TEST_F(LocalExpertClusterTest, InfoHandshakeRefusesAnotherShapeOrGroup) {
   const ExpertProcessOptions options = TinyOptions(dir_.path() + "/logs");
   absl::StatusOr<std::unique_ptr<LocalExpertCluster>> started = LocalExpertCluster::Start(options);
   ASSERT_TRUE(started.ok()) << started.status();
-  const std::shared_ptr<grpc::Channel> channel = ProbeChannel((*started)->addresses()[1]);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> probe = ProbeChannel((*started)->addresses()[1]);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  const std::shared_ptr<grpc::Channel> channel = *probe;
 
   EXPECT_TRUE(ProbeExpertInfo(channel, 1, options.shape).ok());
 
@@ -338,6 +342,45 @@ TEST_F(LocalExpertClusterTest, CheckAliveNamesADeadGroup) {
 
   cluster.Stop();
   for (int pid : pids) EXPECT_TRUE(ProcessGone(pid)) << "pid " << pid << " is still there";
+  EXPECT_TRUE(NoChildLeft());
+}
+
+// With TLS files every group serves mutual TLS only, the readiness probes
+// dial with them, and a restarted group keeps them.
+TEST_F(LocalExpertClusterTest, ServesMutualTlsOnlyWhenGivenCertificates) {
+  const std::string certs = dir_.path() + "/certs";
+  const std::string command = absl::StrCat(
+      "bash ", HIMOE_SOURCE_DIR, "/tests/router_service/make_test_certs.sh ", certs);
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  ExpertProcessOptions options = TinyOptions(dir_.path() + "/logs");
+  options.tls = TlsFiles{certs + "/ca.pem", certs + "/server.pem", certs + "/server.key"};
+  absl::StatusOr<std::unique_ptr<LocalExpertCluster>> started = LocalExpertCluster::Start(options);
+  ASSERT_TRUE(started.ok()) << started.status();
+  LocalExpertCluster& cluster = **started;
+  const TlsFiles client{certs + "/ca.pem", certs + "/client.pem", certs + "/client.key"};
+  const auto info = [&](int g, const TlsFiles& tls) {
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+        ProbeChannel(cluster.addresses()[g], tls);
+    return channel.ok() ? ProbeExpertInfo(*channel, g, options.shape) : channel.status();
+  };
+  for (int g = 0; g < 2; ++g) {
+    EXPECT_THAT(ReadFile(absl::StrCat(dir_.path(), "/logs/expert-", g, ".log")),
+                HasSubstr(absl::StrCat("--tls_ca=", certs, "/ca.pem")));
+    EXPECT_TRUE(info(g, client).ok()) << info(g, client);
+    EXPECT_EQ(info(g, TlsFiles()).code(), absl::StatusCode::kUnavailable) << "plaintext";
+  }
+  const int pid = cluster.pids()[1];
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  absl::StatusOr<std::vector<int>> restarted;
+  const auto until = Clock::now() + kGoneBound;
+  do {
+    restarted = cluster.RestartExited();
+  } while (restarted.ok() && restarted->empty() && Clock::now() < until);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  EXPECT_THAT(*restarted, ::testing::ElementsAre(1));
+  EXPECT_TRUE(info(1, client).ok()) << info(1, client);
+  EXPECT_EQ(info(1, TlsFiles()).code(), absl::StatusCode::kUnavailable) << "plaintext";
+  cluster.Stop();
   EXPECT_TRUE(NoChildLeft());
 }
 
