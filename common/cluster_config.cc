@@ -53,6 +53,7 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
   if (r.deadline_ms() == 0) r.set_deadline_ms(10000);
   if (r.max_batch_tokens() == 0) r.set_max_batch_tokens(8192);
   if (r.max_queue_delay_us() == 0) r.set_max_queue_delay_us(500);
+  if (r.max_queue_requests() == 0) r.set_max_queue_requests(4096);
   if (r.max_tokens_per_request() == 0) r.set_max_tokens_per_request(65536);
 
   if (m.num_layers() < 1) return Invalid(origin, "model.num_layers must be >= 1");
@@ -88,9 +89,11 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
     }
   }
   if (r.chunk_bytes() < 1 || r.deadline_ms() < 1 || r.max_batch_tokens() < 1 ||
-      r.max_queue_delay_us() < 0 || r.max_tokens_per_request() < 1) {
-    return Invalid(origin, "router: chunk_bytes, deadline_ms, max_batch_tokens and "
-                           "max_tokens_per_request must be >= 1, max_queue_delay_us >= 0");
+      r.max_queue_delay_us() < 0 || r.max_tokens_per_request() < 1 ||
+      r.max_queue_requests() < 1) {
+    return Invalid(origin, "router: chunk_bytes, deadline_ms, max_batch_tokens, "
+                           "max_tokens_per_request and max_queue_requests must be >= 1, "
+                           "max_queue_delay_us >= 0");
   }
   if (r.threads() < 0) return Invalid(origin, "router.threads must be >= 0");
   if (c.has_tls()) {

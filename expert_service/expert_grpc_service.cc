@@ -135,8 +135,33 @@ class SetStateReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
 }  // namespace
 
-ExpertGrpcService::ExpertGrpcService(ExpertServiceCore* core, int64_t max_chunk_bytes)
-    : core_(core), max_chunk_bytes_(std::max<int64_t>(max_chunk_bytes, 1)) {}
+ExpertGrpcService::ExpertGrpcService(ExpertServiceCore* core, ComputePool* pool,
+                                     int64_t max_chunk_bytes)
+    : core_(core), pool_(pool), max_chunk_bytes_(std::max<int64_t>(max_chunk_bytes, 1)) {}
+
+template <class Request, class Response, class Compute>
+grpc::ServerUnaryReactor* ExpertGrpcService::ServeOnPool(grpc::CallbackServerContext* context,
+                                                         const grpc::ByteBuffer* request,
+                                                         grpc::ByteBuffer* response,
+                                                         Compute compute) {
+  const std::chrono::system_clock::time_point deadline = context->deadline();
+  return ServeUnary<Request, Response>(
+      context, request, response,
+      [this, deadline, compute](const Request& q, Response* r,
+                                std::function<void(const absl::Status&)> done) {
+        // `done` keeps the request and response alive until it is called.
+        const absl::Status queued = pool_->Submit([&q, r, done, deadline, compute] {
+          if (deadline <= std::chrono::system_clock::now()) {
+            done(absl::DeadlineExceededError(
+                "the call's deadline passed while it waited for a compute worker; not "
+                "computed"));
+            return;
+          }
+          done(compute(q, r));
+        });
+        if (!queued.ok()) done(queued);
+      });
+}
 
 grpc::ServerUnaryReactor* ExpertGrpcService::Info(grpc::CallbackServerContext* context,
                                                   const grpc::ByteBuffer* request,
@@ -151,27 +176,28 @@ grpc::ServerUnaryReactor* ExpertGrpcService::Info(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* ExpertGrpcService::Forward(grpc::CallbackServerContext* context,
                                                      const grpc::ByteBuffer* request,
                                                      grpc::ByteBuffer* response) {
-  return ServeUnarySync<v1::ExpertForwardRequest, v1::ExpertForwardResponse>(
+  return ServeOnPool<v1::ExpertForwardRequest, v1::ExpertForwardResponse>(
       context, request, response, [this](const auto& q, auto* r) { return core_->Forward(q, r); });
 }
 
 grpc::ServerUnaryReactor* ExpertGrpcService::Backward(grpc::CallbackServerContext* context,
                                                       const grpc::ByteBuffer* request,
                                                       grpc::ByteBuffer* response) {
-  return ServeUnarySync<v1::ExpertBackwardRequest, v1::ExpertBackwardResponse>(
+  return ServeOnPool<v1::ExpertBackwardRequest, v1::ExpertBackwardResponse>(
       context, request, response, [this](const auto& q, auto* r) { return core_->Backward(q, r); });
 }
 
 grpc::ServerUnaryReactor* ExpertGrpcService::Step(grpc::CallbackServerContext* context,
                                                   const grpc::ByteBuffer* request,
                                                   grpc::ByteBuffer* response) {
-  return ServeUnarySync<v1::ExpertStepRequest, v1::ExpertStepResponse>(
+  return ServeOnPool<v1::ExpertStepRequest, v1::ExpertStepResponse>(
       context, request, response, [this](const auto& q, auto* r) { return core_->Step(q, r); });
 }
 
 grpc::ServerUnaryReactor* ExpertGrpcService::Abort(grpc::CallbackServerContext* context,
                                                    const grpc::ByteBuffer* request,
                                                    grpc::ByteBuffer* response) {
+  // Inline: freeing a step's saved state must get through a full queue.
   return ServeUnarySync<v1::ExpertAbortRequest, v1::ExpertAbortResponse>(
       context, request, response, [this](const auto& q, auto* r) { return core_->Abort(q, r); });
 }
@@ -179,7 +205,7 @@ grpc::ServerUnaryReactor* ExpertGrpcService::Abort(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* ExpertGrpcService::BeginRun(grpc::CallbackServerContext* context,
                                                       const grpc::ByteBuffer* request,
                                                       grpc::ByteBuffer* response) {
-  return ServeUnarySync<v1::BeginRunRequest, v1::BeginRunResponse>(
+  return ServeOnPool<v1::BeginRunRequest, v1::BeginRunResponse>(
       context, request, response, [this](const auto& q, auto* r) { return core_->BeginRun(q, r); });
 }
 
@@ -212,8 +238,9 @@ absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(
     HIMOE_RETURN_IF_ERROR(LoadStateFromFile(options.state_file, server->core_.get()));
   }
   // Leaves room for the chunk's name, shape and framing.
+  HIMOE_ASSIGN_OR_RETURN(server->pool_, ComputePool::Create(options.compute));
   server->service_ = std::make_unique<ExpertGrpcService>(
-      server->core_.get(), options.max_message_bytes - 512);
+      server->core_.get(), server->pool_.get(), options.max_message_bytes - 512);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/compute_pool.h"
 #include "expert_service/expert_service_core.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "proto/tls_credentials.h"
@@ -29,9 +30,10 @@ using ExpertServiceBase = v1::ExpertService::WithRawCallbackMethod_Info<
 // The gRPC adapter over ExpertServiceCore: decode, call the core, encode.
 class ExpertGrpcService final : public ExpertServiceBase {
  public:
-  // `core` must outlive the service. GetState chunks are capped at
-  // max_chunk_bytes so that each fits in one message.
-  ExpertGrpcService(ExpertServiceCore* core, int64_t max_chunk_bytes);
+  // `core` and `pool` must outlive the service. GetState chunks are capped
+  // at max_chunk_bytes so that each fits in one message. Forward, Backward,
+  // Step and BeginRun compute on `pool`, off gRPC's threads.
+  ExpertGrpcService(ExpertServiceCore* core, ComputePool* pool, int64_t max_chunk_bytes);
 
   // Every method is registered raw: bytes that do not parse as the request
   // message (or a SetState chunk) get INVALID_ARGUMENT naming it (ParseRaw).
@@ -61,7 +63,16 @@ class ExpertGrpcService final : public ExpertServiceBase {
       grpc::CallbackServerContext* context, grpc::ByteBuffer* response) override;
 
  private:
+  // Parses the request, then runs `compute(request, response)` on the pool
+  // and finishes from there: a full queue is RESOURCE_EXHAUSTED at once, and
+  // a call whose deadline passed while it waited is not computed.
+  template <class Request, class Response, class Compute>
+  grpc::ServerUnaryReactor* ServeOnPool(grpc::CallbackServerContext* context,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response, Compute compute);
+
   ExpertServiceCore* core_;
+  ComputePool* pool_;
   int64_t max_chunk_bytes_;
 };
 
@@ -73,6 +84,9 @@ struct ExpertServerOptions {
   std::string state_file;
   // Mutual TLS (empty = plaintext): clients need a certificate of the CA.
   TlsFiles tls;
+  // Where Forward, Backward and Step compute: workers, and how many calls
+  // may wait for one before RESOURCE_EXHAUSTED.
+  ComputePoolOptions compute{1, 64, "--max_queue"};
 };
 
 // A running himoe-expert gRPC server (ExpertService, health, reflection).
@@ -88,6 +102,7 @@ class ExpertServer {
   // The bound address, "host:port" with the port actually chosen.
   const std::string& address() const { return address_; }
   ExpertServiceCore* core() { return core_.get(); }
+  ComputePool& compute_pool() { return *pool_; }
 
   // Reports NOT_SERVING, stops accepting calls, and cancels calls still
   // running after `deadline`. Idempotent, thread-safe.
@@ -99,6 +114,7 @@ class ExpertServer {
   ExpertServer() = default;
 
   std::unique_ptr<ExpertServiceCore> core_;
+  std::unique_ptr<ComputePool> pool_;  // runs what is queued before core_ goes
   std::unique_ptr<ExpertGrpcService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;

@@ -43,6 +43,11 @@ ABSL_FLAG(bool, blas_probe, true,
           "with BLIS and no BLIS_ARCH_TYPE set: time the kernel sets this CPU supports and keep "
           "the fastest");
 ABSL_FLAG(int32_t, max_message_bytes, 64 << 20, "max gRPC message, both ways");
+ABSL_FLAG(int32_t, compute_workers, 1,
+          "calls computed at once (Forward, Backward, Step), each on the --threads torch "
+          "threads; off gRPC's threads");
+ABSL_FLAG(int32_t, max_queue, 64,
+          "calls that may wait for a compute worker; more get RESOURCE_EXHAUSTED at once");
 ABSL_FLAG(std::string, tls_ca, "",
           "mutual TLS: PEM of the CA that signs every peer (with --tls_cert, --tls_key; all "
           "empty = plaintext)");
@@ -103,6 +108,8 @@ absl::StatusOr<ExpertServerOptions> OptionsFromFlags() {
                          ParseHostPort("--address", absl::GetFlag(FLAGS_address)));
   options.address = JoinHostPort(listen.host, listen.port);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.compute = ComputePoolOptions{absl::GetFlag(FLAGS_compute_workers),
+                                       absl::GetFlag(FLAGS_max_queue), "--max_queue"};
   options.state_file = absl::GetFlag(FLAGS_state_file);
   options.tls = TlsFromFlags();
   return options;
@@ -117,7 +124,7 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
   HIMOE_ASSIGN_OR_RETURN(
       std::unique_ptr<prometheus::Exposer> exposer,
       StartMetricsEndpoint("--metrics_port", absl::GetFlag(FLAGS_metrics_address), metrics_port));
-  *metrics = std::make_shared<ExpertMetrics>(server->core());
+  *metrics = std::make_shared<ExpertMetrics>(server->core(), &server->compute_pool());
   exposer->RegisterCollectable(*metrics);
   LOG(INFO) << "metrics on port " << MetricsPort(*exposer);
   return exposer;

@@ -28,8 +28,8 @@ prometheus::ClientMetric Value(prometheus::MetricType type, double value,
 
 }  // namespace
 
-ExpertMetrics::ExpertMetrics(ExpertServiceCore* core)
-    : core_(core),
+ExpertMetrics::ExpertMetrics(ExpertServiceCore* core, const ComputePool* pool)
+    : core_(core), pool_(pool),
       compute_seconds_({0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                         1, 2.5, 5}) {
   core_->set_forward_observer([this](double seconds) { compute_seconds_.Observe(seconds); });
@@ -81,6 +81,27 @@ std::vector<prometheus::MetricFamily> ExpertMetrics::Collect() const {
     auto f = Family(s.name, s.help, s.type);
     f.metric.push_back(Value(s.type, s.value, {{"group", group}}));
     out.push_back(std::move(f));
+  }
+  if (pool_ != nullptr) {
+    const struct {
+      const char* name;
+      const char* help;
+      MetricType type;
+      double value;
+    } queue[] = {
+        {"himoe_expert_compute_queue_depth", "Calls waiting for a compute worker",
+         MetricType::Gauge, static_cast<double>(pool_->queued())},
+        {"himoe_expert_compute_busy_workers", "Compute workers running a call now",
+         MetricType::Gauge, static_cast<double>(pool_->running())},
+        {"himoe_expert_compute_rejected_total",
+         "Calls refused with RESOURCE_EXHAUSTED: the compute queue was full",
+         MetricType::Counter, static_cast<double>(pool_->rejected())},
+    };
+    for (const auto& q : queue) {
+      auto f = Family(q.name, q.help, q.type);
+      f.metric.push_back(Value(q.type, q.value, {{"group", group}}));
+      out.push_back(std::move(f));
+    }
   }
 
   auto latency = Family("himoe_expert_compute_duration_seconds",

@@ -7,6 +7,7 @@
 #include <prometheus/histogram.h>
 #include <prometheus/metric_family.h>
 
+#include "common/compute_pool.h"
 #include "expert_service/expert_service_core.h"
 
 namespace himoe::expert {
@@ -16,13 +17,15 @@ namespace himoe::expert {
 // Every series carries the group label; experts are bounded by N.
 class ExpertMetrics : public prometheus::Collectable {
  public:
-  // Installs itself as the core's forward observer. `core` must outlive this.
-  explicit ExpertMetrics(ExpertServiceCore* core);
+  // Installs itself as the core's forward observer. `core` (and `pool`, whose
+  // queue it reports when not null) must outlive this.
+  explicit ExpertMetrics(ExpertServiceCore* core, const ComputePool* pool = nullptr);
 
   std::vector<prometheus::MetricFamily> Collect() const override;
 
  private:
   ExpertServiceCore* core_;
+  const ComputePool* pool_;
   mutable prometheus::Histogram compute_seconds_;
 };
 

@@ -25,9 +25,18 @@ Batcher::~Batcher() {
 
 void Batcher::Submit(int layer, at::Tensor x, Done done, Deadline deadline) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    const int64_t depth = static_cast<int64_t>(queue_.size());
+    if (depth >= options_.max_queue_requests) {
+      lock.unlock();
+      done(absl::ResourceExhaustedError(absl::StrCat(
+          "router queue full: ", depth, " requests waiting (", options_.queue_limit_name, " = ",
+          options_.max_queue_requests, "); retry later")));
+      return;
+    }
     queue_.push_back(
         {layer, std::move(x), std::move(done), std::chrono::steady_clock::now(), deadline});
+    if (options_.on_queue_depth) options_.on_queue_depth(depth + 1);
   }
   cv_.notify_all();
 }
@@ -93,6 +102,7 @@ void Batcher::Loop() {
       }
     }
     ++batches_;
+    if (options_.on_queue_depth) options_.on_queue_depth(static_cast<int64_t>(queue_.size()));
     lock.unlock();
     Run(std::move(batch));
     lock.lock();
@@ -101,9 +111,11 @@ void Batcher::Loop() {
 
 void Batcher::Run(std::vector<Item> batch) {
   std::vector<at::Tensor> inputs;
+  std::vector<int64_t> segments;
   int64_t tokens = 0;
   for (const Item& item : batch) {
     inputs.push_back(item.x);
+    segments.push_back(item.x.size(0));
     tokens += item.x.size(0);
   }
   if (options_.on_batch) options_.on_batch(tokens, static_cast<int64_t>(batch.size()));
@@ -112,7 +124,7 @@ void Batcher::Run(std::vector<Item> batch) {
     Deadline deadline = Deadline::min();
     for (const Item& item : batch) deadline = std::max(deadline, item.deadline);
     result = compute_(batch.front().layer, inputs.size() == 1 ? inputs[0] : at::cat(inputs),
-                      deadline);
+                      segments, deadline);
     return absl::OkStatus();
   });
   if (!caught.ok()) result = caught;

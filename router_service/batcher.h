@@ -7,7 +7,9 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -27,8 +29,15 @@ struct BatcherOptions {
   // How long the first request of a batch waits for company (Triton's
   // max_queue_delay_microseconds). 0 = no waiting.
   std::chrono::microseconds max_queue_delay{500};
+  // Requests that may wait in the queue (all layers); more get
+  // RESOURCE_EXHAUSTED at once, naming `queue_limit_name`.
+  int64_t max_queue_requests = 4096;
+  std::string queue_limit_name = "max_queue_requests";
   // Called with (tokens, requests) of every batch, before it runs.
   std::function<void(int64_t, int64_t)> on_batch;
+  // Called with the queue's depth whenever it changes (under the lock: keep
+  // it cheap, e.g. a gauge).
+  std::function<void(int64_t)> on_queue_depth;
 };
 
 // Dynamic batching: concurrent requests for the same layer are merged into
@@ -37,16 +46,18 @@ struct BatcherOptions {
 class Batcher {
  public:
   using Deadline = std::chrono::system_clock::time_point;
-  // `deadline`: the latest of the batch's requests' deadlines.
-  using Compute = std::function<absl::StatusOr<LayerResult>(int layer, const at::Tensor& x,
-                                                            Deadline deadline)>;
+  // `segments`: each merged request's row count, in order; `deadline`: the
+  // latest of the batch's requests' deadlines.
+  using Compute = std::function<absl::StatusOr<LayerResult>(
+      int layer, const at::Tensor& x, const std::vector<int64_t>& segments, Deadline deadline)>;
   using Done = std::function<void(absl::StatusOr<LayerResult>)>;
 
   Batcher(const BatcherOptions& options, Compute compute);
   ~Batcher();  // finishes queued work, then stops
 
   // A request whose `deadline` passes while it is queued is not computed: its
-  // `done` gets DEADLINE_EXCEEDED.
+  // `done` gets DEADLINE_EXCEEDED. A full queue calls `done` at once with
+  // RESOURCE_EXHAUSTED.
   void Submit(int layer, at::Tensor x, Done done, Deadline deadline = Deadline::max());
 
   int64_t batches() const;  // computations run so far

@@ -67,13 +67,14 @@ absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x,
 }
 
 absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x,
-                                             expert::ExpertGroupClient::Deadline deadline) {
+                                             expert::ExpertGroupClient::Deadline deadline,
+                                             const std::vector<int64_t>& segments) {
   if (layer < 0 || layer >= num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer: ", layer, " is not served; layers are [0, ", num_layers(), ")"));
   }
   MoEOutput out;
-  HIMOE_ASSIGN_OR_RETURN(out.routing, routers_[layer]->Route(x, /*training=*/false));
+  HIMOE_ASSIGN_OR_RETURN(out.routing, routers_[layer]->Route(x, /*training=*/false, segments));
   if (observer_ != nullptr) observer_->OnRouted(layer, out.routing.stats);
   HIMOE_ASSIGN_OR_RETURN(ChunkCalls calls, BuildCalls(layer, x, out.routing));
   HIMOE_RETURN_IF_ERROR(SendAll(calls, out.routing, deadline));

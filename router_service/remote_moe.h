@@ -46,10 +46,12 @@ class RemoteMoE final : public model::MoELayers {
   static absl::StatusOr<std::unique_ptr<RemoteMoE>> Create(const RemoteMoEOptions& options);
 
   // Every group call ends by `deadline` at the latest (besides each group's
-  // own deadline).
+  // own deadline). `segments`: the row counts of the requests merged into x
+  // (RouterLayer::Route), routed each as if alone.
   absl::StatusOr<MoEOutput> Forward(
       int layer, const at::Tensor& x,
-      expert::ExpertGroupClient::Deadline deadline = expert::ExpertGroupClient::Deadline::max());
+      expert::ExpertGroupClient::Deadline deadline = expert::ExpertGroupClient::Deadline::max(),
+      const std::vector<int64_t>& segments = {});
 
   // model::MoELayers
   int num_layers() const override { return static_cast<int>(routers_.size()); }

@@ -294,13 +294,15 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(
     batching.on_batch = [metrics](int64_t tokens, int64_t requests) {
       metrics->OnBatch(tokens, requests);
     };
+    batching.on_queue_depth = [metrics](int64_t requests) { metrics->OnQueueDepth(requests); };
   }
   server->batcher_ = std::make_unique<Batcher>(
       batching,
-      [moe](int layer, const at::Tensor& x,
+      [moe](int layer, const at::Tensor& x, const std::vector<int64_t>& segments,
             Batcher::Deadline deadline) -> absl::StatusOr<LayerResult> {
         at::NoGradGuard no_grad;
-        HIMOE_ASSIGN_OR_RETURN(MoEOutput out, moe->Forward(layer, x, deadline));
+        // Each merged request is routed as if alone (capacity per request).
+        HIMOE_ASSIGN_OR_RETURN(MoEOutput out, moe->Forward(layer, x, deadline, segments));
         return LayerResult{out.output, out.routing.expert_ids,
                            out.routing.weights.detach().to(at::kFloat)};
       });

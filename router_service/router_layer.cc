@@ -1,5 +1,6 @@
 #include "router_service/router_layer.h"
 
+#include <algorithm>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -153,8 +154,8 @@ absl::StatusOr<std::unique_ptr<RouterLayer>> RouterLayer::Create(
   return layer;
 }
 
-absl::StatusOr<RoutingOutput> RouterLayer::Route(const at::Tensor& x,
-                                                 bool training) {
+absl::StatusOr<RoutingOutput> RouterLayer::Route(const at::Tensor& x, bool training,
+                                                 const std::vector<int64_t>& segments) {
   if (x.dim() != 2 || x.size(1) != d_model_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "router: input must be [T, d_model=", d_model_, "], got [",
@@ -165,16 +166,27 @@ absl::StatusOr<RoutingOutput> RouterLayer::Route(const at::Tensor& x,
     logits = RouterLogits(x, gate_weight_);
     return absl::OkStatus();
   }));
-  return RouteLogits(logits, training);
+  return RouteLogits(logits, training, segments);
 }
 
-absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
-                                                       bool training) {
+absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits, bool training,
+                                                       const std::vector<int64_t>& segments) {
   const RoutingConfig& c = config_;
   if (logits.dim() != 2 || logits.size(1) != c.num_experts || logits.size(0) < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "router: logits must be [T >= 1, N=", c.num_experts, "], got [",
         absl::StrJoin(logits.sizes(), ", "), "]"));
+  }
+  std::vector<int64_t> bounds = segments;
+  if (bounds.empty()) bounds.push_back(logits.size(0));
+  int64_t total = 0;
+  for (const int64_t n : bounds) {
+    if (n < 1) return absl::InvalidArgumentError("router: every segment needs >= 1 row");
+    total += n;
+  }
+  if (total != logits.size(0)) {
+    return absl::InvalidArgumentError(absl::StrCat("router: segments sum to ", total,
+                                                   " rows, the batch has ", logits.size(0)));
   }
   RoutingOutput out;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
@@ -214,18 +226,32 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
                               .view_as(sel.ids)
                               .to(weights.scalar_type());
     }
-    at::Tensor active;
-    if (c.method == RoutingMethod::kStMoe && c.second_choice_threshold > 0) {
-      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(DropSeed(training));
-      const at::Tensor u = at::rand(sel.ids.sizes(), gen, at::dtype(at::kDouble));
-      active = SecondChoiceActiveMask(weights, sel.rank, u, c.second_choice_threshold);
+    // Per segment: a request's drops depend on its own rows only.
+    const bool random_drop = c.method == RoutingMethod::kStMoe && c.second_choice_threshold > 0;
+    const uint64_t drop_seed = random_drop ? DropSeed(training) : 0;
+    const auto capacity_of = [&](int64_t rows) {
+      return c.capacity_rounding == CapacityRounding::kCeil
+                 ? ExpertCapacity(c.capacity_factor, c.total_k(), rows, c.num_experts)
+                 : ReleasedExpertCapacity(c.capacity_factor, c.total_k(), rows, c.num_experts,
+                                          /*round_to_even=*/c.method != RoutingMethod::kLossFree);
+    };
+    // Reported: the capacity of the largest segment.
+    const int64_t capacity = capacity_of(*std::max_element(bounds.begin(), bounds.end()));
+    std::vector<at::Tensor> kept_parts;
+    int64_t offset = 0;
+    for (const int64_t rows : bounds) {
+      const Selection part{sel.ids.narrow(0, offset, rows), sel.rank.narrow(0, offset, rows)};
+      at::Tensor active;
+      if (random_drop) {
+        at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(drop_seed);
+        const at::Tensor u = at::rand(part.ids.sizes(), gen, at::dtype(at::kDouble));
+        active = SecondChoiceActiveMask(weights.narrow(0, offset, rows), part.rank, u,
+                                        c.second_choice_threshold);
+      }
+      kept_parts.push_back(CapacityKeepMask(part, c.num_experts, capacity_of(rows), active));
+      offset += rows;
     }
-    const int64_t capacity =
-        c.capacity_rounding == CapacityRounding::kCeil
-            ? ExpertCapacity(c.capacity_factor, c.total_k(), tokens, c.num_experts)
-            : ReleasedExpertCapacity(c.capacity_factor, c.total_k(), tokens, c.num_experts,
-                                     /*round_to_even=*/c.method != RoutingMethod::kLossFree);
-    const at::Tensor kept = CapacityKeepMask(sel, c.num_experts, capacity, active);
+    const at::Tensor kept = kept_parts.size() == 1 ? kept_parts[0] : at::cat(kept_parts);
 
     const at::Tensor zero = at::zeros({}, g.options().requires_grad(false));
     RoutingLosses& losses = out.losses;

@@ -51,7 +51,7 @@ struct RoutingStats {
   double cert_lhs = 0;  // CV_group^2 + 1 = M ||rbar||^2      (Theorem 1)
   double cert_rhs = 0;  // M S_max mean ||pi_tilde_normalized||^2
   double collision_mi = 0;  // I_2 = log(N mean ||pi||^2)
-  int64_t capacity = -1;    // per expert; -1 = dropless
+  int64_t capacity = -1;    // per expert (the largest segment's); -1 = dropless
   int64_t dropped = 0;      // capacity drops and st_moe's second-choice drops
   double drop_rate = 0;     // dropped / (T*K)
   // Collapse diagnostics (issue #10).
@@ -99,11 +99,16 @@ class RouterLayer {
       const RouterLayerOptions& options);
 
   // Routes x [T, d]. In training mode the EMA is updated first (himoe) and
-  // the expert counts for the bias updates are accumulated.
-  absl::StatusOr<RoutingOutput> Route(const at::Tensor& x, bool training);
+  // the expert counts for the bias updates are accumulated. `segments`: the
+  // row counts of independent requests merged into x (a serving batch), each
+  // >= 1, summing to T; empty = one. Capacity and st_moe's random drop, which
+  // depend on the batch, are applied per segment, so that each request is
+  // routed as if alone.
+  absl::StatusOr<RoutingOutput> Route(const at::Tensor& x, bool training,
+                                      const std::vector<int64_t>& segments = {});
   // Same, from precomputed logits [T, N].
-  absl::StatusOr<RoutingOutput> RouteLogits(const at::Tensor& logits,
-                                            bool training);
+  absl::StatusOr<RoutingOutput> RouteLogits(const at::Tensor& logits, bool training,
+                                            const std::vector<int64_t>& segments = {});
 
   // Called after each optimizer step, on the counts accumulated since the
   // last call (with sigmoid scores: the last micro-batch's), then resets

@@ -82,6 +82,8 @@ absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& 
   }
   o.batching.max_batch_tokens = cluster.router().max_batch_tokens();
   o.batching.max_queue_delay = std::chrono::microseconds(cluster.router().max_queue_delay_us());
+  o.batching.max_queue_requests = cluster.router().max_queue_requests();
+  o.batching.queue_limit_name = "router.max_queue_requests";
   o.max_tokens_per_request = cluster.router().max_tokens_per_request();
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.tls = ClusterTls(cluster, TlsFromFlags());

@@ -85,6 +85,11 @@ RouterMetrics::RouterMetrics(const RouterMetricsOptions& o, prometheus::Registry
                          .Help("Requests merged into one dynamic batch")
                          .Register(r)
                          .Add({}, PowersOfTwo(256));
+  queue_depth_ = &prometheus::BuildGauge()
+                      .Name("himoe_router_queue_depth")
+                      .Help("RouteForward and Generate requests waiting in the batch queue")
+                      .Register(r)
+                      .Add({});
   auto& errors = prometheus::BuildCounter()
                      .Name("himoe_router_errors_total")
                      .Help("Failed RouteForward calls by gRPC status code")
@@ -131,6 +136,10 @@ void RouterMetrics::OnRequest(double seconds) { request_seconds_->Observe(second
 void RouterMetrics::OnBatch(int64_t tokens, int64_t requests) {
   batch_tokens_->Observe(static_cast<double>(tokens));
   batch_requests_->Observe(static_cast<double>(requests));
+}
+
+void RouterMetrics::OnQueueDepth(int64_t requests) {
+  queue_depth_->Set(static_cast<double>(requests));
 }
 
 void RouterMetrics::OnError(int grpc_code) {

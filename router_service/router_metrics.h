@@ -36,6 +36,7 @@ class RouterMetrics : public ForwardObserver {
   void OnGroupDispatch(int group, double seconds, int64_t rows) override;
   void OnRequest(double seconds);
   void OnBatch(int64_t tokens, int64_t requests);
+  void OnQueueDepth(int64_t requests);
   void OnError(int grpc_code);
 
  private:
@@ -55,6 +56,7 @@ class RouterMetrics : public ForwardObserver {
   prometheus::Histogram* request_seconds_;
   prometheus::Histogram* batch_tokens_;
   prometheus::Histogram* batch_requests_;
+  prometheus::Gauge* queue_depth_;
   // By gRPC status code; every code but OK is created at zero, so the series
   // exist before the first error.
   std::vector<prometheus::Counter*> errors_;

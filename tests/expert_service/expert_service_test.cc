@@ -103,6 +103,12 @@ std::vector<v1::StateChunk> ChunksOf(std::vector<NamedTensor> tensors, int64_t b
   return chunks;
 }
 
+std::string BytesOfMessage(const google::protobuf::Message& m) {
+  std::string bytes;
+  EXPECT_TRUE(m.SerializeToString(&bytes));
+  return bytes;
+}
+
 std::string BytesOf(grpc::ByteBuffer* buffer) {
   std::vector<grpc::Slice> slices;
   std::string bytes;
@@ -588,6 +594,82 @@ TEST_F(ExpertServiceTest, AnUnparsableStateChunkIsInvalidArgumentAndAppliesNothi
   for (size_t i = 0; i < before.size(); ++i) {
     EXPECT_EQ(after[i].SerializeAsString(), before[i].SerializeAsString()) << before[i].name();
   }
+}
+
+// Compute runs on a bounded pool: with its one worker busy and its one queue
+// slot taken, a Forward is RESOURCE_EXHAUSTED at once naming the limit; the
+// queued one is computed once the worker is free, and serving goes on.
+TEST_F(ExpertServiceTest, AFullComputeQueueIsResourceExhaustedThenServingGoesOn) {
+  ExpertServerOptions options;
+  options.core = CoreOptions();
+  options.compute = ComputePoolOptions{1, 1, "--max_queue"};
+  auto server = ExpertServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = v1::ExpertService::NewStub(
+      grpc::CreateChannel((*server)->address(), grpc::InsecureChannelCredentials()));
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::promise<void> started;
+  ASSERT_TRUE((*server)->compute_pool().Submit([&started, released] {
+    started.set_value();
+    released.wait();
+  }).ok());
+  started.get_future().wait();  // the worker is busy
+
+  const v1::ExpertForwardRequest request = MakeRequest(1, {{2, at::randn({3, kD})}});
+  v1::ExpertForwardResponse queued_response;
+  grpc::ClientContext queued_context;
+  std::promise<grpc::Status> queued;
+  stub->async()->Forward(&queued_context, &request, &queued_response,
+                         [&queued](grpc::Status s) { queued.set_value(std::move(s)); });
+  for (int i = 0; i < 1000 && (*server)->compute_pool().queued() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ((*server)->compute_pool().queued(), 1);
+
+  grpc::ClientContext context;
+  v1::ExpertForwardResponse response;
+  const grpc::Status full = stub->Forward(&context, request, &response);
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(full.error_message(),
+            "compute queue full: 1 requests waiting for 1 busy worker(s) (--max_queue = 1); "
+            "retry later");
+  EXPECT_EQ((*server)->compute_pool().rejected(), 1);
+
+  release.set_value();
+  const grpc::Status done = queued.get_future().get();
+  ASSERT_TRUE(done.ok()) << done.error_message();
+  grpc::ClientContext again;
+  v1::ExpertForwardResponse alone;
+  ASSERT_TRUE(stub->Forward(&again, request, &alone).ok());
+  EXPECT_EQ(BytesOfMessage(queued_response), BytesOfMessage(alone));
+}
+
+// A call whose deadline passes while it waits for a compute worker is not
+// computed.
+TEST_F(ExpertServiceTest, ACallThatExpiredWaitingForComputeIsNotComputed) {
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::promise<void> started;
+  ASSERT_TRUE(server_->compute_pool().Submit([&started, released] {
+    started.set_value();
+    released.wait();
+  }).ok());
+  started.get_future().wait();
+  const int64_t before = server_->core()->counters().forward_requests;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+  v1::ExpertForwardResponse response;
+  const grpc::Status status =
+      stub_->Forward(&context, MakeRequest(1, {{2, at::randn({3, kD})}}), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  release.set_value();
+  // The queued call ran to its deadline check; the core never saw it.
+  for (int i = 0; i < 1000 && server_->compute_pool().completed() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(server_->compute_pool().completed(), 2);
+  EXPECT_EQ(server_->core()->counters().forward_requests, before);
 }
 
 // A second server on a port already served is refused: with SO_REUSEPORT the

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 namespace himoe::router {
@@ -17,14 +18,16 @@ TEST(BatcherTest, MergesQueuedRequestsOfTheSameLayerAndSplitsResults) {
   std::condition_variable cv;
   bool release = false;
   std::vector<std::pair<int, int64_t>> computed;  // (layer, rows)
+  std::vector<std::vector<int64_t>> segments;     // per batch
   BatcherOptions options;
   options.max_batch_tokens = 100;
   options.max_queue_delay = std::chrono::microseconds(0);
   auto batcher = std::make_unique<Batcher>(
-      options, [&](int layer, const at::Tensor& x,
+      options, [&](int layer, const at::Tensor& x, const std::vector<int64_t>& rows,
                    Batcher::Deadline) -> absl::StatusOr<LayerResult> {
         std::unique_lock<std::mutex> lock(mu);
         computed.push_back({layer, x.size(0)});
+        segments.push_back(rows);
         cv.notify_all();
         cv.wait(lock, [&] { return release; });
         // Output = input * (layer + 2); ids = row index within the batch.
@@ -57,6 +60,11 @@ TEST(BatcherTest, MergesQueuedRequestsOfTheSameLayerAndSplitsResults) {
   EXPECT_EQ(computed[1], (std::pair<int, int64_t>{0, 90}));
   EXPECT_EQ(computed[2], (std::pair<int, int64_t>{1, 7}));
   EXPECT_EQ(computed[3], (std::pair<int, int64_t>{0, 30}));
+  // Each batch names its requests' rows, in order (capacity per request).
+  EXPECT_THAT(segments, ::testing::ElementsAre(std::vector<int64_t>{4},
+                                               std::vector<int64_t>{10, 20, 60},
+                                               std::vector<int64_t>{7},
+                                               std::vector<int64_t>{30}));
   for (int i = 0; i < 6; ++i) {
     ASSERT_TRUE(results[i].ok()) << i;
     EXPECT_TRUE(at::allclose(results[i]->output, inputs[i] * (layers[i] + 2))) << i;
@@ -66,9 +74,54 @@ TEST(BatcherTest, MergesQueuedRequestsOfTheSameLayerAndSplitsResults) {
   EXPECT_EQ(results[4]->expert_ids[0][0].item<int64_t>(), 30);
 }
 
+// Beyond max_queue_requests waiting, a request is refused at once, naming
+// the limit; the queued ones are computed.
+TEST(BatcherTest, AFullQueueIsResourceExhaustedAtOnce) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false, computing = false;
+  BatcherOptions options;
+  options.max_queue_delay = std::chrono::microseconds(0);
+  options.max_queue_requests = 2;
+  options.queue_limit_name = "router.max_queue_requests";
+  std::vector<int64_t> depths;
+  options.on_queue_depth = [&depths](int64_t d) { depths.push_back(d); };
+  auto batcher = std::make_unique<Batcher>(
+      options, [&](int, const at::Tensor& x, const std::vector<int64_t>&,
+                   Batcher::Deadline) -> absl::StatusOr<LayerResult> {
+        std::unique_lock<std::mutex> lock(mu);
+        computing = true;
+        cv.notify_all();
+        cv.wait(lock, [&] { return release; });
+        return LayerResult{x, at::zeros({x.size(0), 1}, at::kLong), at::ones({x.size(0), 1})};
+      });
+  std::vector<absl::Status> results(4, absl::UnknownError("unset"));
+  batcher->Submit(0, at::randn({2, 3}), [&](auto r) { results[0] = r.status(); });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(30), [&] { return computing; });
+  }
+  // Layer 1, so that the two cannot join the batch in flight.
+  for (int i = 1; i < 4; ++i) {
+    batcher->Submit(1, at::randn({2, 3}), [&, i](auto r) { results[i] = r.status(); });
+  }
+  EXPECT_EQ(results[3].code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(results[3].message(),
+            "router queue full: 2 requests waiting (router.max_queue_requests = 2); retry later");
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  batcher.reset();
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(results[i].ok()) << i << ": " << results[i];
+  EXPECT_THAT(depths, ::testing::Contains(2));
+  EXPECT_EQ(depths.back(), 0);
+}
+
 TEST(BatcherTest, ErrorsReachEveryCallerOfTheBatch) {
   BatcherOptions options;
-  Batcher batcher(options, [](int, const at::Tensor&,
+  Batcher batcher(options, [](int, const at::Tensor&, const std::vector<int64_t>&,
                               Batcher::Deadline) -> absl::StatusOr<LayerResult> {
     return absl::UnavailableError("expert group 1 unreachable");
   });
@@ -102,7 +155,8 @@ TEST(BatcherTest, ARequestThatExpiredInTheQueueIsNotComputed) {
   BatcherOptions options;
   options.max_queue_delay = std::chrono::microseconds(0);
   auto batcher = std::make_unique<Batcher>(
-      options, [&](int, const at::Tensor& x, Batcher::Deadline d) -> absl::StatusOr<LayerResult> {
+      options, [&](int, const at::Tensor& x, const std::vector<int64_t>&,
+                   Batcher::Deadline d) -> absl::StatusOr<LayerResult> {
         std::unique_lock<std::mutex> lock(mu);
         computed.push_back(x.size(0));
         deadlines.push_back(d);

@@ -1,5 +1,6 @@
 // Capacity: cap = ceil(cf*K*T/N), drops in priority order (spec "Capacity").
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -188,6 +189,55 @@ TEST(CapacityTest, GroupedRanksAreWithinGroup) {
   EXPECT_EQ(ToNested(out.kept),
             (std::vector<std::vector<int64_t>>{{1, 1}, {1, 1}, {0, 0}}));
   EXPECT_DOUBLE_EQ(out.stats.drop_rate, 2.0 / 6.0);
+}
+
+// Serving merges concurrent requests into one batch. Routed with their
+// segments, each request's picks, drops and dispatch equal those of the
+// request routed alone, for capacity and for st_moe's random second-choice
+// drop; without them the merged batch's drops differ (the coupling a
+// caller would see).
+TEST(CapacityTest, SegmentsAreEachRoutedAsIfAlone) {
+  const std::vector<int64_t> rows = {5, 11, 2, 7};
+  for (const RoutingMethod method :
+       {RoutingMethod::kHiMoe, RoutingMethod::kVanilla, RoutingMethod::kStMoe}) {
+    SCOPED_TRACE(std::string(RoutingMethodName(method)));
+    RoutingConfig c = Config(method, 8, 4, 1);
+    c.capacity_factor = 0.5;
+    if (method == RoutingMethod::kStMoe) c.second_choice_threshold = 0.2;
+    auto router = MakeRouter(c);
+    at::manual_seed(7);
+    const at::Tensor logits = at::randn({25, 8}) * 2;
+    std::vector<at::Tensor> kept, ids, weights;
+    int64_t offset = 0;
+    for (const int64_t n : rows) {
+      const RoutingOutput alone = MustRoute(*router, logits.narrow(0, offset, n), false);
+      kept.push_back(alone.kept);
+      ids.push_back(alone.expert_ids);
+      weights.push_back(alone.weights);
+      offset += n;
+    }
+    auto merged = router->RouteLogits(logits, false, rows);
+    ASSERT_TRUE(merged.ok()) << merged.status();
+    EXPECT_TRUE(at::equal(merged->kept, at::cat(kept)));
+    EXPECT_TRUE(at::equal(merged->expert_ids, at::cat(ids)));
+    EXPECT_TRUE(at::allclose(merged->weights, at::cat(weights)));
+    // The dispatch keeps exactly the kept assignments.
+    int64_t dispatched = 0;
+    for (const GroupDispatch& d : merged->groups) dispatched += d.token_rows.numel();
+    EXPECT_EQ(dispatched, at::cat(kept).sum().item<int64_t>());
+    EXPECT_EQ(merged->stats.dropped,
+              merged->kept.numel() - merged->kept.sum().item<int64_t>());
+    EXPECT_GT(merged->stats.dropped, 0);
+    const RoutingOutput unsegmented = MustRoute(*router, logits, false);
+    EXPECT_FALSE(at::equal(unsegmented.kept, at::cat(kept)));
+  }
+  RoutingConfig c = Config(RoutingMethod::kHiMoe, 8, 4, 1);
+  auto router = MakeRouter(c);
+  const at::Tensor logits = at::randn({6, 8});
+  EXPECT_EQ(router->RouteLogits(logits, false, {2, 3}).status().code(),
+            absl::StatusCode::kInvalidArgument);  // 5 of 6 rows
+  EXPECT_EQ(router->RouteLogits(logits, false, {6, 0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -187,6 +188,43 @@ TEST_F(RouterServiceTest, ConcurrentClientsEachGetTheirOwnRows) {
   for (int c = 0; c < kClients; ++c) {
     EXPECT_LE(MaxAbsDiff(outputs[c], Reference(o.moe.routing, 0, inputs[c]).output), 1e-5)
         << "client " << c;
+  }
+}
+
+// With a capacity factor (and st_moe's random drop) a request's drops would
+// depend on whatever it was batched with; each request is routed as if alone,
+// so concurrent callers still equal LocalMoE on their own rows.
+TEST_F(RouterServiceTest, WithCapacityConcurrentCallersEqualTheirCallsAlone) {
+  for (const RoutingMethod method : {RoutingMethod::kHiMoe, RoutingMethod::kStMoe}) {
+    SCOPED_TRACE(std::string(RoutingMethodName(method)));
+    RouterServerOptions o = Options(method);
+    o.moe.routing.capacity_factor = 0.5;
+    if (method == RoutingMethod::kStMoe) o.moe.routing.second_choice_threshold = 0.2;
+    o.batching.max_queue_delay = std::chrono::milliseconds(50);
+    StartRouter(o);
+    constexpr int kClients = 8;
+    std::vector<at::Tensor> inputs, outputs(kClients);
+    for (int c = 0; c < kClients; ++c) inputs.push_back(at::randn({4 + 3 * c, kD}));
+    std::vector<std::thread> threads;
+    std::atomic<int> failures{0};
+    for (int c = 0; c < kClients; ++c) {
+      threads.emplace_back([&, c] {
+        auto r = Route(0, inputs[c]);
+        if (!r.ok()) {
+          ++failures;
+          return;
+        }
+        outputs[c] = Output(*r);
+      });
+    }
+    for (auto& t : threads) t.join();
+    ASSERT_EQ(failures.load(), 0);
+    std::cout << kClients << " requests in " << router_->batcher().batches() << " batches\n";
+    for (int c = 0; c < kClients; ++c) {
+      EXPECT_LE(MaxAbsDiff(outputs[c], Reference(o.moe.routing, 0, inputs[c]).output), 1e-5)
+          << "client " << c;
+    }
+    router_.reset();
   }
 }
 
