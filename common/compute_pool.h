@@ -18,7 +18,7 @@ namespace himoe {
 
 struct ComputePoolOptions {
   int workers = 1;      // threads running work; each may use the torch threads
-  int max_queue = 64;   // work waiting for a worker; more is refused
+  int max_queue = 256;  // work waiting for a worker; more is refused
   std::string limit_name = "max_queue";  // the setting errors name, e.g. a flag
 };
 

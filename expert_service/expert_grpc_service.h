@@ -86,7 +86,7 @@ struct ExpertServerOptions {
   TlsFiles tls;
   // Where Forward, Backward and Step compute: workers, and how many calls
   // may wait for one before RESOURCE_EXHAUSTED.
-  ComputePoolOptions compute{1, 64, "--max_queue"};
+  ComputePoolOptions compute{1, 256, "--max_queue"};
 };
 
 // A running himoe-expert gRPC server (ExpertService, health, reflection).

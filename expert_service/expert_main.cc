@@ -46,7 +46,7 @@ ABSL_FLAG(int32_t, max_message_bytes, 64 << 20, "max gRPC message, both ways");
 ABSL_FLAG(int32_t, compute_workers, 1,
           "calls computed at once (Forward, Backward, Step), each on the --threads torch "
           "threads; off gRPC's threads");
-ABSL_FLAG(int32_t, max_queue, 64,
+ABSL_FLAG(int32_t, max_queue, 256,
           "calls that may wait for a compute worker; more get RESOURCE_EXHAUSTED at once");
 ABSL_FLAG(std::string, tls_ca, "",
           "mutual TLS: PEM of the CA that signs every peer (with --tls_cert, --tls_key; all "
