@@ -54,6 +54,7 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
   if (r.max_batch_tokens() == 0) r.set_max_batch_tokens(8192);
   if (r.max_queue_delay_us() == 0) r.set_max_queue_delay_us(500);
   if (r.max_queue_requests() == 0) r.set_max_queue_requests(4096);
+  if (r.max_batches_in_flight() == 0) r.set_max_batches_in_flight(2);
   if (r.max_tokens_per_request() == 0) r.set_max_tokens_per_request(65536);
 
   if (m.num_layers() < 1) return Invalid(origin, "model.num_layers must be >= 1");
@@ -90,10 +91,10 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
   }
   if (r.chunk_bytes() < 1 || r.deadline_ms() < 1 || r.max_batch_tokens() < 1 ||
       r.max_queue_delay_us() < 0 || r.max_tokens_per_request() < 1 ||
-      r.max_queue_requests() < 1) {
+      r.max_queue_requests() < 1 || r.max_batches_in_flight() < 1) {
     return Invalid(origin, "router: chunk_bytes, deadline_ms, max_batch_tokens, "
-                           "max_tokens_per_request and max_queue_requests must be >= 1, "
-                           "max_queue_delay_us >= 0");
+                           "max_tokens_per_request, max_queue_requests and "
+                           "max_batches_in_flight must be >= 1, max_queue_delay_us >= 0");
   }
   if (r.threads() < 0) return Invalid(origin, "router.threads must be >= 0");
   if (c.has_tls()) {

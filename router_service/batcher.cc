@@ -12,7 +12,11 @@
 namespace himoe::router {
 
 Batcher::Batcher(const BatcherOptions& options, Compute compute)
-    : options_(options), compute_(std::move(compute)), worker_([this] { Loop(); }) {}
+    : options_(options), compute_(std::move(compute)) {
+  for (int i = 0; i < std::max(1, options.max_batches_in_flight); ++i) {
+    workers_.emplace_back([this] { Loop(); });
+  }
+}
 
 Batcher::~Batcher() {
   {
@@ -20,7 +24,7 @@ Batcher::~Batcher() {
     stopping_ = true;
   }
   cv_.notify_all();
-  worker_.join();
+  for (std::thread& worker : workers_) worker.join();
 }
 
 void Batcher::Submit(int layer, at::Tensor x, Done done, Deadline deadline) {
@@ -73,7 +77,10 @@ void Batcher::Loop() {
       lock.lock();
       continue;
     }
-    if (queue_.empty()) return;  // stopping, nothing left
+    if (queue_.empty()) {
+      if (stopping_) return;  // nothing left
+      continue;               // another worker took it
+    }
     const int layer = queue_.front().layer;
     const auto deadline = queue_.front().enqueued + options_.max_queue_delay;
     // Tokens of the same layer queued so far, in arrival order, within budget.
@@ -101,6 +108,7 @@ void Batcher::Loop() {
         ++it;
       }
     }
+    if (batch.empty()) continue;  // another worker took this layer's requests
     ++batches_;
     if (options_.on_queue_depth) options_.on_queue_depth(static_cast<int64_t>(queue_.size()));
     lock.unlock();

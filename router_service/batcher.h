@@ -26,6 +26,10 @@ struct LayerResult {
 
 struct BatcherOptions {
   int64_t max_batch_tokens = 8192;
+  // Batches computed at once (each its own worker thread): while one waits
+  // for the groups, the next is routed, encoded and sent. Requests are
+  // routed each as if alone, so this changes no output.
+  int max_batches_in_flight = 2;
   // How long the first request of a batch waits for company (Triton's
   // max_queue_delay_microseconds). 0 = no waiting.
   std::chrono::microseconds max_queue_delay{500};
@@ -41,8 +45,9 @@ struct BatcherOptions {
 };
 
 // Dynamic batching: concurrent requests for the same layer are merged into
-// one computation of at most max_batch_tokens rows; each caller gets exactly
-// its own rows back.
+// one computation of at most max_batch_tokens rows, up to
+// max_batches_in_flight computations at once; each caller gets exactly its
+// own rows back.
 class Batcher {
  public:
   using Deadline = std::chrono::system_clock::time_point;
@@ -80,7 +85,7 @@ class Batcher {
   std::deque<Item> queue_;
   bool stopping_ = false;
   int64_t batches_ = 0;
-  std::thread worker_;
+  std::vector<std::thread> workers_;
 };
 
 }  // namespace himoe::router

@@ -84,6 +84,7 @@ absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& 
   o.batching.max_queue_delay = std::chrono::microseconds(cluster.router().max_queue_delay_us());
   o.batching.max_queue_requests = cluster.router().max_queue_requests();
   o.batching.queue_limit_name = "router.max_queue_requests";
+  o.batching.max_batches_in_flight = cluster.router().max_batches_in_flight();
   o.max_tokens_per_request = cluster.router().max_tokens_per_request();
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.tls = ClusterTls(cluster, TlsFromFlags());

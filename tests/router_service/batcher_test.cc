@@ -20,6 +20,7 @@ TEST(BatcherTest, MergesQueuedRequestsOfTheSameLayerAndSplitsResults) {
   std::vector<std::pair<int, int64_t>> computed;  // (layer, rows)
   std::vector<std::vector<int64_t>> segments;     // per batch
   BatcherOptions options;
+  options.max_batches_in_flight = 1;
   options.max_batch_tokens = 100;
   options.max_queue_delay = std::chrono::microseconds(0);
   auto batcher = std::make_unique<Batcher>(
@@ -81,6 +82,7 @@ TEST(BatcherTest, AFullQueueIsResourceExhaustedAtOnce) {
   std::condition_variable cv;
   bool release = false, computing = false;
   BatcherOptions options;
+  options.max_batches_in_flight = 1;
   options.max_queue_delay = std::chrono::microseconds(0);
   options.max_queue_requests = 2;
   options.queue_limit_name = "router.max_queue_requests";
@@ -119,6 +121,46 @@ TEST(BatcherTest, AFullQueueIsResourceExhaustedAtOnce) {
   EXPECT_EQ(depths.back(), 0);
 }
 
+// With two batches in flight, a second batch computes while the first still
+// waits (for its groups): the first is released only by the second starting.
+TEST(BatcherTest, TwoBatchesComputeAtOnce) {
+  std::mutex mu;
+  std::condition_variable cv;
+  int started = 0;
+  BatcherOptions options;
+  options.max_batches_in_flight = 2;
+  options.max_queue_delay = std::chrono::microseconds(0);
+  Batcher batcher(options, [&](int layer, const at::Tensor& x, const std::vector<int64_t>&,
+                               Batcher::Deadline) -> absl::StatusOr<LayerResult> {
+    std::unique_lock<std::mutex> lock(mu);
+    ++started;
+    cv.notify_all();
+    if (!cv.wait_for(lock, std::chrono::seconds(30), [&] { return started == 2; })) {
+      return absl::DeadlineExceededError("the other batch never started");
+    }
+    return LayerResult{x * (layer + 2), at::zeros({x.size(0), 1}, at::kLong),
+                       at::ones({x.size(0), 1})};
+  });
+  std::vector<absl::StatusOr<LayerResult>> results(2, absl::UnknownError("unset"));
+  std::vector<at::Tensor> inputs = {at::randn({3, 4}), at::randn({5, 4})};
+  int done = 0;
+  for (int i = 0; i < 2; ++i) {
+    batcher.Submit(i, inputs[i], [&, i](auto r) {
+      std::lock_guard<std::mutex> lock(mu);
+      results[i] = std::move(r);
+      ++done;
+      cv.notify_all();
+    });
+  }
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait_for(lock, std::chrono::seconds(60), [&] { return done == 2; });
+  ASSERT_EQ(done, 2);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(results[i].ok()) << i << ": " << results[i].status();
+    EXPECT_TRUE(at::allclose(results[i]->output, inputs[i] * (i + 2))) << i;
+  }
+}
+
 TEST(BatcherTest, ErrorsReachEveryCallerOfTheBatch) {
   BatcherOptions options;
   Batcher batcher(options, [](int, const at::Tensor&, const std::vector<int64_t>&,
@@ -153,6 +195,7 @@ TEST(BatcherTest, ARequestThatExpiredInTheQueueIsNotComputed) {
   std::vector<int64_t> computed;  // rows per batch
   std::vector<Batcher::Deadline> deadlines;
   BatcherOptions options;
+  options.max_batches_in_flight = 1;  // the request waits behind the batch in flight
   options.max_queue_delay = std::chrono::microseconds(0);
   auto batcher = std::make_unique<Batcher>(
       options, [&](int, const at::Tensor& x, const std::vector<int64_t>&,

@@ -430,6 +430,7 @@ TEST_F(RouterServiceTest, ARequestThatExpiredInTheQueueIsNotComputed) {
   auto server = ServeStalling(stalling, &port);
   ASSERT_NE(server, nullptr);
   RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+  o.batching.max_batches_in_flight = 1;  // the second request waits behind the first
   o.moe.groups[3].addresses = {Loopback(port)};
   o.moe.groups[3].deadline = std::chrono::milliseconds(1000);
   o.verify_groups = false;
