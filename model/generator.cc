@@ -19,6 +19,9 @@ absl::StatusOr<std::unique_ptr<Generator>> Generator::Create(const CheckpointCon
   if (options.max_new_tokens_limit < 1) {
     return absl::InvalidArgumentError("generator: max_new_tokens_limit must be >= 1");
   }
+  if (options.max_streams < 1) {
+    return absl::InvalidArgumentError("generator: max_streams must be >= 1");
+  }
   const int num_groups = contents.model.routing.num_groups;
   if (moe == nullptr || moe->num_groups() != num_groups ||
       static_cast<int>(contents.experts.size()) != num_groups) {
@@ -53,7 +56,7 @@ absl::StatusOr<std::unique_ptr<Generator>> Generator::Create(const CheckpointCon
 }
 
 absl::StatusOr<at::Tensor> Generator::NextTokenLogits(const std::vector<int64_t>& context) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(model_mu_);
   return NextTokenLogitsLocked(context);
 }
 
@@ -74,37 +77,178 @@ absl::StatusOr<at::Tensor> Generator::NextTokenLogitsLocked(const std::vector<in
   return out.logits[0][keep - 1].to(at::kFloat);
 }
 
+namespace {
+
+// nanoGPT's sampling of one token from logits [V].
+absl::StatusOr<int64_t> SampleToken(const at::Tensor& logits, const GenerateParams& params,
+                                    at::Generator& rng) {
+  int64_t token = 0;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    if (params.temperature == 0) {
+      token = logits.argmax().item<int64_t>();
+      return absl::OkStatus();
+    }
+    // Shifted first, so that a tiny temperature overflows to -inf (weight
+    // 0) rather than to inf - inf = NaN: the limit is greedy.
+    at::Tensor scaled = (logits - logits.max()) / params.temperature;
+    if (params.top_k > 0 && params.top_k < scaled.size(0)) {
+      const at::Tensor kth = std::get<0>(at::topk(scaled, params.top_k)).select(0, -1);
+      scaled = scaled.masked_fill(scaled < kth, -std::numeric_limits<float>::infinity());
+    }
+    token = at::multinomial(at::softmax(scaled, -1), 1, /*replacement=*/false, rng)
+                .item<int64_t>();
+    return absl::OkStatus();
+  }));
+  return token;
+}
+
+}  // namespace
+
+struct Generator::Stream {
+  const GenerateParams* params;
+  const std::function<bool(int64_t)>* on_token;
+  at::Generator rng;
+  std::vector<int64_t> context;
+  KvCache cache;  // holds context[0 .. cache.length) once decoding started
+  int generated = 0;
+  bool ended = false;  // set by the decoder (under mu_) once removed
+  absl::Status status;
+};
+
 absl::Status Generator::Generate(const GenerateParams& params,
                                  const std::function<bool(int64_t)>& on_token) {
   HIMOE_RETURN_IF_ERROR(ValidateGenerateParams(params, *this));
+  Stream stream;
+  stream.params = &params;
+  stream.on_token = &on_token;
+  stream.context = params.prompt;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    stream.rng = at::make_generator<at::CPUGeneratorImpl>(params.seed);
+    return absl::OkStatus();
+  }));
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stopping_) return absl::UnavailableError("generator: shutting down");
+  if (static_cast<int>(streams_.size()) >= options_.max_streams) {
+    ++stats_.rejected;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "generate: ", streams_.size(), " streams are decoding (max_streams = ",
+        options_.max_streams, "); retry later"));
+  }
+  if (!decoder_.joinable()) decoder_ = std::thread([this] { DecodeLoop(); });
+  streams_.push_back(&stream);
+  stats_.active_streams = static_cast<int64_t>(streams_.size());
+  cv_.notify_all();
+  cv_.wait(lock, [&] { return stream.ended; });
+  return stream.status;
+}
+
+Generator::~Generator() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (decoder_.joinable()) decoder_.join();
+}
+
+GeneratorStats Generator::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<int64_t> context = params.prompt;
-  at::Generator rng = at::make_generator<at::CPUGeneratorImpl>(params.seed);
-  for (int i = 0; i < params.max_new_tokens; ++i) {
-    HIMOE_ASSIGN_OR_RETURN(at::Tensor logits, NextTokenLogitsLocked(context));
-    int64_t token = 0;
+  return stats_;
+}
+
+void Generator::DecodeLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return stopping_ || !streams_.empty(); });
+    if (stopping_) {
+      for (Stream* s : streams_) {
+        s->status = absl::UnavailableError("generator: shutting down");
+        s->ended = true;
+      }
+      streams_.clear();
+      cv_.notify_all();
+      return;
+    }
+    // The streams joined so far; later ones join the next step.
+    const std::vector<Stream*> step = streams_;
+    lock.unlock();
+    const int sampled = Step(step);
+    lock.lock();
+    ++stats_.steps;
+    stats_.tokens += sampled;
+    std::vector<Stream*> running;
+    for (Stream* s : streams_) {
+      const bool done = !s->status.ok() || s->generated == s->params->max_new_tokens;
+      if (done) {
+        s->cache = KvCache();  // freed now, not when the caller wakes
+        s->ended = true;
+      } else {
+        running.push_back(s);
+      }
+    }
+    streams_ = std::move(running);
+    stats_.active_streams = static_cast<int64_t>(streams_.size());
+    cv_.notify_all();
+  }
+}
+
+absl::StatusOr<at::Tensor> Generator::StepLogits(const std::vector<Stream*>& streams) {
+  std::lock_guard<std::mutex> lock(model_mu_);
+  if (!options_.kv_cache) {
+    std::vector<at::Tensor> rows;
+    for (Stream* s : streams) {
+      HIMOE_ASSIGN_OR_RETURN(at::Tensor row, NextTokenLogitsLocked(s->context));
+      rows.push_back(row);
+    }
+    at::Tensor logits;
     HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-      if (params.temperature == 0) {
-        token = logits.argmax().item<int64_t>();
-        return absl::OkStatus();
-      }
-      // Shifted first, so that a tiny temperature overflows to -inf (weight
-      // 0) rather than to inf - inf = NaN: the limit is greedy.
-      at::Tensor scaled = (logits - logits.max()) / params.temperature;
-      if (params.top_k > 0 && params.top_k < scaled.size(0)) {
-        const at::Tensor kth = std::get<0>(at::topk(scaled, params.top_k)).select(0, -1);
-        scaled = scaled.masked_fill(scaled < kth, -std::numeric_limits<float>::infinity());
-      }
-      token = at::multinomial(at::softmax(scaled, -1), 1, /*replacement=*/false, rng)
-                  .item<int64_t>();
+      logits = at::stack(rows);
       return absl::OkStatus();
     }));
-    context.push_back(token);
-    if (!on_token(token)) {
-      return absl::CancelledError(absl::StrCat("generation cancelled after ", i + 1, " tokens"));
+    return logits;
+  }
+  const size_t block = static_cast<size_t>(model_options_.block_size);
+  std::vector<std::vector<int64_t>> tokens;
+  std::vector<KvCache*> caches;
+  for (Stream* s : streams) {
+    const std::vector<int64_t>& c = s->context;
+    if (c.size() > block) {
+      // Past block_size the window's positions shift: recompute it.
+      s->cache = KvCache();
+      tokens.emplace_back(c.end() - block, c.end());
+    } else if (s->cache.length == 0) {
+      tokens.push_back(c);  // the prompt
+    } else {
+      tokens.emplace_back(c.begin() + s->cache.length, c.end());  // the last token
+    }
+    caches.push_back(&s->cache);
+  }
+  return model_->DecodeStep(tokens, caches);
+}
+
+int Generator::Step(const std::vector<Stream*>& streams) {
+  int sampled = 0;
+  absl::StatusOr<at::Tensor> logits = StepLogits(streams);
+  for (size_t i = 0; i < streams.size(); ++i) {
+    Stream* s = streams[i];
+    if (!logits.ok()) {
+      s->status = logits.status();
+      continue;
+    }
+    absl::StatusOr<int64_t> token = SampleToken((*logits)[i], *s->params, s->rng);
+    if (!token.ok()) {
+      s->status = token.status();
+      continue;
+    }
+    s->context.push_back(*token);
+    ++s->generated;
+    ++sampled;
+    if (!(*s->on_token)(*token)) {
+      s->status = absl::CancelledError(
+          absl::StrCat("generation cancelled after ", s->generated, " tokens"));
     }
   }
-  return absl::OkStatus();
+  return sampled;
 }
 
 }  // namespace himoe::model

@@ -4,8 +4,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <condition_variable>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -21,6 +23,13 @@ namespace himoe::model {
 
 struct GeneratorOptions {
   int max_new_tokens_limit = 4096;
+  // Streams decoded together (continuous batching: they join and leave
+  // between steps); one more Generate is RESOURCE_EXHAUSTED.
+  int max_streams = 64;
+  // Each stream keeps its attention keys and values, so a step computes its
+  // new token only; off, every step recomputes the whole context (the
+  // reference).
+  bool kv_cache = true;
   // Push the checkpoint's expert weights to the MoE layers' groups
   // (LoadExpertState). Turn off only when the groups already hold exactly
   // these weights.
@@ -31,7 +40,12 @@ struct GeneratorOptions {
 // frozen): the dense parts here, the routers and experts in `moe`. nanoGPT's
 // sampling: the context is cropped to the last block_size tokens, logits /
 // temperature, optional top-k, then one multinomial draw from a generator
-// seeded per request (temperature 0: argmax). One request runs at a time.
+// seeded per request (temperature 0: argmax). Concurrent requests are decoded
+// together by one decoding thread, one token per stream per step, each
+// stream routed as if alone: a stream samples the same text alone or beside
+// others. With the KV cache a step feeds each stream its new token only,
+// until the context passes block_size, from where it recomputes the cropped
+// window (its positions shift), as the reference does.
 class Generator final : public TextGenerator {
  public:
   // Builds the LM on `moe` (not owned; must outlive the generator), loads the
@@ -45,8 +59,12 @@ class Generator final : public TextGenerator {
   int64_t vocab_size() const override { return model_options_.vocab_size; }
   bool byte_level() const override { return model_options_.vocab_size == 256; }
   int max_new_tokens_limit() const override { return options_.max_new_tokens_limit; }
+  // Blocks until the stream ends; `on_token` runs on the decoding thread.
   absl::Status Generate(const GenerateParams& params,
                         const std::function<bool(int64_t)>& on_token) override;
+  ~Generator() override;  // ends running streams with UNAVAILABLE
+
+  GeneratorStats stats() const override;
 
   // Logits [vocab] of the token after `context` (cropped to block_size).
   absl::StatusOr<at::Tensor> NextTokenLogits(const std::vector<int64_t>& context);
@@ -57,15 +75,29 @@ class Generator final : public TextGenerator {
   const std::string& checkpoint_dir() const { return checkpoint_dir_; }
 
  private:
+  struct Stream;
   Generator() = default;
   absl::StatusOr<at::Tensor> NextTokenLogitsLocked(const std::vector<int64_t>& context);
+  void DecodeLoop();
+  // One step of `streams`: a token each (on_token called), or an error in
+  // the stream's status; returns the tokens sampled.
+  int Step(const std::vector<Stream*>& streams);
+  // Logits [S, V] of each stream's next token.
+  absl::StatusOr<at::Tensor> StepLogits(const std::vector<Stream*>& streams);
 
   GeneratorOptions options_;
   ModelOptions model_options_;
   int64_t checkpoint_step_ = 0;
   std::string checkpoint_dir_;
   std::shared_ptr<TransformerLM> model_;
-  std::mutex mu_;
+  std::mutex model_mu_;  // the model: decoding steps and NextTokenLogits
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Stream*> streams_;  // joined, not ended
+  bool stopping_ = false;
+  GeneratorStats stats_;
+  std::thread decoder_;
 };
 
 }  // namespace himoe::model

@@ -20,6 +20,9 @@ struct MoECall {
   uint64_t step = 0;
   uint32_t micro_batch = 0;
   bool training = false;
+  // Rows of independent sequences in x (streams decoded together), each
+  // routed as if alone (RouterLayer::Route); empty = one.
+  std::vector<int64_t> segments;
 };
 
 // The LM's MoE layers: for each MoE layer, its router and its experts,

@@ -17,6 +17,14 @@ struct GenerateParams {
   uint64_t seed = 0;
 };
 
+// Counters of a generator, for metrics.
+struct GeneratorStats {
+  int64_t tokens = 0;          // sampled so far, every stream
+  int64_t steps = 0;           // decoding steps (each samples one token per stream)
+  int64_t active_streams = 0;  // decoding now
+  int64_t rejected = 0;        // requests refused: max_streams were decoding
+};
+
 // A language model the router can sample from (the trainer's checkpointed LM
 // implements it; the router library does not depend on the trainer).
 class TextGenerator {
@@ -34,6 +42,8 @@ class TextGenerator {
   // `params` must already be valid (ValidateGenerateParams).
   virtual absl::Status Generate(const GenerateParams& params,
                                 const std::function<bool(int64_t)>& on_token) = 0;
+
+  virtual GeneratorStats stats() const { return GeneratorStats(); }
 };
 
 // INVALID_ARGUMENT naming the field when `params` does not fit `generator`.

@@ -102,6 +102,97 @@ at::Tensor TransformerLM::Attention(Block& b, const at::Tensor& x) {
   return b.proj->forward(y);
 }
 
+at::Tensor TransformerLM::CachedAttention(size_t index, const at::Tensor& qkv, KvCache& cache) {
+  const int64_t n = qkv.size(0), C = options_.d_model, H = options_.n_head;
+  const int64_t past = cache.length;
+  const auto parts = qkv.split(C, 1);
+  const auto heads = [&](const at::Tensor& t) {
+    return t.view({1, n, H, C / H}).transpose(1, 2);
+  };
+  const at::Tensor q = heads(parts[0]);
+  at::Tensor& k = cache.k[index];
+  at::Tensor& v = cache.v[index];
+  k = k.defined() ? at::cat({k, heads(parts[1])}, 2) : heads(parts[1]).contiguous();
+  v = v.defined() ? at::cat({v, heads(parts[2])}, 2) : heads(parts[2]).contiguous();
+  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(C / H));
+  // Query i sits at position past + i: it sees keys 0 .. past + i.
+  const at::Tensor mask = at::ones({n, past + n}, qkv.options().dtype(at::kBool)).triu(past + 1);
+  att = at::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
+  return at::matmul(att, v).transpose(1, 2).contiguous().view({n, C});
+}
+
+absl::StatusOr<at::Tensor> TransformerLM::DecodeStep(
+    const std::vector<std::vector<int64_t>>& tokens, const std::vector<KvCache*>& caches) {
+  if (tokens.empty() || tokens.size() != caches.size()) {
+    return absl::InvalidArgumentError("model: DecodeStep needs one cache per sequence");
+  }
+  MoECall call;
+  for (size_t s = 0; s < tokens.size(); ++s) {
+    const int64_t n = static_cast<int64_t>(tokens[s].size());
+    if (n < 1 || caches[s] == nullptr || caches[s]->length + n > options_.block_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model: sequence ", s, " needs 1 to ", options_.block_size,
+          " tokens in all (cache ", caches[s] == nullptr ? 0 : caches[s]->length, " + ", n, ")"));
+    }
+    for (const int64_t t : tokens[s]) {
+      if (t < 0 || t >= options_.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat("model: token ", t, " is not in [0, ",
+                                                       options_.vocab_size, ")"));
+      }
+    }
+    call.segments.push_back(n);
+  }
+  const size_t S = tokens.size();
+  at::Tensor logits;
+  torch::NoGradGuard no_grad;
+  ModelOutput unused;
+  const at::Tensor zero = at::zeros({});
+  unused.aux = {zero, zero, zero, zero, zero};
+  // Row-wise work (embeddings, norms, projections, FFNs) runs once over every
+  // sequence's new rows; only the attention core is per sequence.
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+    std::vector<int64_t> ids, positions, last;
+    int64_t rows = 0;
+    for (size_t s = 0; s < S; ++s) {
+      const int64_t past = caches[s]->length;
+      for (size_t i = 0; i < tokens[s].size(); ++i) {
+        ids.push_back(tokens[s][i]);
+        positions.push_back(past + static_cast<int64_t>(i));
+      }
+      rows += call.segments[s];
+      last.push_back(rows - 1);
+      caches[s]->k.resize(blocks_.size());
+      caches[s]->v.resize(blocks_.size());
+    }
+    at::Tensor x = wte_->forward(at::tensor(ids, at::kLong)) +
+                   wpe_->forward(at::tensor(positions, at::kLong));  // [R, C]
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      Block& b = blocks_[i];
+      const at::Tensor qkv = b.qkv->forward(b.ln1->forward(x));  // [R, 3C]
+      std::vector<at::Tensor> attended;
+      int64_t offset = 0;
+      for (size_t s = 0; s < S; ++s) {
+        attended.push_back(CachedAttention(i, qkv.narrow(0, offset, call.segments[s]),
+                                           *caches[s]));
+        offset += call.segments[s];
+      }
+      x = x + b.proj->forward(S == 1 ? attended[0] : at::cat(attended));
+      const at::Tensor n = b.ln2->forward(x);
+      if (b.moe >= 0) {
+        HIMOE_ASSIGN_OR_RETURN(at::Tensor y, MoeFfn(b.moe, n, call, &unused));
+        x = x + y;
+      } else {
+        x = x + b.fc_out->forward(at::gelu(b.fc->forward(n)));
+      }
+    }
+    for (size_t s = 0; s < S; ++s) caches[s]->length += call.segments[s];
+    const at::Tensor tail = x.index_select(0, at::tensor(last, at::kLong));  // [S, C]
+    logits = at::linear(ln_f_->forward(tail), wte_->weight).to(at::kFloat);
+    return absl::OkStatus();
+  }));
+  return logits;
+}
+
 absl::StatusOr<at::Tensor> TransformerLM::MoeFfn(int moe, const at::Tensor& x,
                                                  const MoECall& call, ModelOutput* out) {
   const at::Tensor h = x.reshape({-1, options_.d_model});

@@ -24,6 +24,13 @@ struct ModelOutput {
   std::vector<router::RoutingStats> stats;  // per MoE layer
 };
 
+// Incremental decoding state of one sequence: each block's keys and values
+// [1, n_head, length, head_dim] for its first `length` tokens.
+struct KvCache {
+  std::vector<at::Tensor> k, v;  // per block
+  int64_t length = 0;
+};
+
 // nanoGPT-style decoder-only LM: token + position embeddings, pre-norm
 // blocks with causal self-attention, weight-tied head. The dense parts live
 // here; each MoE FFN is a call into `moe`, whose routers' tensors the LM
@@ -42,6 +49,15 @@ class TransformerLM : public torch::nn::Module {
   // saved state in training.
   absl::StatusOr<ModelOutput> Forward(const at::Tensor& idx, const at::Tensor& targets,
                                       uint64_t step, uint32_t micro_batch, bool training);
+
+  // Inference with a KV cache, for several sequences at once: appends
+  // tokens[s] to caches[s] (positions caches[s]->length on; the total may not
+  // pass block_size) and returns the logits [S, V] of each sequence's last
+  // new token. Attention runs per sequence against its cache; each FFN runs
+  // once over every sequence's new rows (an MoE layer gets them as one call,
+  // a segment per sequence). Equal to Forward on each whole sequence.
+  absl::StatusOr<at::Tensor> DecodeStep(const std::vector<std::vector<int64_t>>& tokens,
+                                        const std::vector<KvCache*>& caches);
 
   router::RouterLayer& router(int moe_layer) { return moe_->router(moe_layer); }
   int num_moe_layers() const { return moe_->num_layers(); }
@@ -63,6 +79,10 @@ class TransformerLM : public torch::nn::Module {
 
   TransformerLM(const ModelOptions& options, MoELayers* moe);
   at::Tensor Attention(Block& block, const at::Tensor& x);
+  // The attention core (before the output projection) of one sequence's new
+  // rows, from their q, k, v [n, 3C] at positions cache.length.., against
+  // block `index`'s cached keys and values, which it extends; [n, C].
+  at::Tensor CachedAttention(size_t index, const at::Tensor& qkv, KvCache& cache);
   absl::StatusOr<at::Tensor> MoeFfn(int moe, const at::Tensor& x, const MoECall& call,
                                     ModelOutput* out);
 

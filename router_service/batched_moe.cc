@@ -1,11 +1,12 @@
 #include "router_service/batched_moe.h"
 
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 
@@ -25,18 +26,37 @@ absl::StatusOr<MoEOutput> BatchedMoE::Forward(int layer, const at::Tensor& x,
     input = x.detach().to(at::kFloat).contiguous();
     return absl::OkStatus();
   }));
-  absl::Notification done;
-  absl::StatusOr<LayerResult> result;
-  batcher_->Submit(layer, std::move(input), [&](absl::StatusOr<LayerResult> r) {
-    result = std::move(r);
-    done.Notify();
-  });
-  done.WaitForNotification();
-  if (!result.ok()) return result.status();
+  // Each segment is its own batcher request, so the batcher routes each as
+  // if alone (and may merge them with other traffic).
+  std::vector<int64_t> segments = call.segments;
+  if (segments.empty()) segments.push_back(input.size(0));
+  const size_t n = segments.size();
+  std::vector<absl::StatusOr<LayerResult>> results(n, absl::UnknownError("not answered"));
+  absl::BlockingCounter pending(static_cast<int>(n));
+  int64_t offset = 0;
+  for (size_t i = 0; i < n; ++i) {
+    at::Tensor rows = n == 1 ? input : input.narrow(0, offset, segments[i]);
+    offset += segments[i];
+    batcher_->Submit(layer, std::move(rows), [&results, &pending, i](absl::StatusOr<LayerResult> r) {
+      results[i] = std::move(r);
+      pending.DecrementCount();
+    });
+  }
+  pending.Wait();
+  std::vector<at::Tensor> outputs, ids, weights;
+  for (absl::StatusOr<LayerResult>& r : results) {
+    if (!r.ok()) return r.status();
+    outputs.push_back(std::move(r->output));
+    ids.push_back(std::move(r->expert_ids));
+    weights.push_back(std::move(r->weights));
+  }
   MoEOutput out;
-  out.output = std::move(result->output);
-  out.routing.expert_ids = std::move(result->expert_ids);
-  out.routing.weights = std::move(result->weights);
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    out.output = n == 1 ? outputs[0] : at::cat(outputs);
+    out.routing.expert_ids = n == 1 ? ids[0] : at::cat(ids);
+    out.routing.weights = n == 1 ? weights[0] : at::cat(weights);
+    return absl::OkStatus();
+  }));
   return out;
 }
 

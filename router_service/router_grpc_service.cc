@@ -58,8 +58,10 @@ namespace {
 // the lock held, since gRPC may run reactions inline.
 class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  GenerateReactor(std::shared_ptr<model::TextGenerator> generator, model::GenerateParams params)
-      : generator_(std::move(generator)), byte_level_(generator_->byte_level()) {
+  GenerateReactor(std::shared_ptr<model::TextGenerator> generator, model::GenerateParams params,
+                  RouterMetrics* metrics)
+      : generator_(std::move(generator)), byte_level_(generator_->byte_level()), metrics_(metrics) {
+    if (metrics_ != nullptr) metrics_->OnStream(+1);
     thread_ = std::thread([this, params = std::move(params)] { Run(params); });
   }
 
@@ -90,6 +92,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       if (byte_level_) response.set_text(std::string(1, static_cast<char>(token)));
       grpc::ByteBuffer bytes;
       if (!SerializeRaw(response, &bytes).ok()) return false;
+      if (metrics_ != nullptr) metrics_->OnGeneratedToken();
       {
         std::lock_guard<std::mutex> lock(mu_);
         queue_.push_back(std::move(bytes));
@@ -97,6 +100,10 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       Pump();
       return true;
     });
+    if (metrics_ != nullptr) {
+      metrics_->OnStream(-1);
+      if (!status.ok()) metrics_->OnError(static_cast<int>(status.code()));
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       status_ = status;
@@ -128,6 +135,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
 
   const std::shared_ptr<model::TextGenerator> generator_;
   const bool byte_level_;
+  RouterMetrics* const metrics_;  // may be null
   std::thread thread_;
   std::atomic<bool> cancelled_{false};
   std::mutex mu_;
@@ -183,7 +191,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* RouterGrpcService::Generate(
   } else if (auto params = DecodeGenerateRequest(request, *generator_); !params.ok()) {
     status = params.status();
   } else {
-    return new GenerateReactor(generator_, *std::move(params));
+    return new GenerateReactor(generator_, *std::move(params), metrics_);
   }
   if (metrics_ != nullptr) metrics_->OnError(static_cast<int>(status.code()));
   return RejectStream<grpc::ServerWriteReactor<grpc::ByteBuffer>>(ToGrpcStatus(status));

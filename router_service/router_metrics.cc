@@ -90,6 +90,16 @@ RouterMetrics::RouterMetrics(const RouterMetricsOptions& o, prometheus::Registry
                       .Help("RouteForward and Generate requests waiting in the batch queue")
                       .Register(r)
                       .Add({});
+  streams_ = &prometheus::BuildGauge()
+                  .Name("himoe_router_generate_streams")
+                  .Help("Generate streams running now")
+                  .Register(r)
+                  .Add({});
+  generated_tokens_ = &prometheus::BuildCounter()
+                           .Name("himoe_router_generated_tokens_total")
+                           .Help("Tokens streamed by Generate (rate / streams = tokens/s per stream)")
+                           .Register(r)
+                           .Add({});
   auto& errors = prometheus::BuildCounter()
                      .Name("himoe_router_errors_total")
                      .Help("Failed RouteForward calls by gRPC status code")
@@ -141,6 +151,10 @@ void RouterMetrics::OnBatch(int64_t tokens, int64_t requests) {
 void RouterMetrics::OnQueueDepth(int64_t requests) {
   queue_depth_->Set(static_cast<double>(requests));
 }
+
+void RouterMetrics::OnStream(int delta) { streams_->Increment(delta); }
+
+void RouterMetrics::OnGeneratedToken() { generated_tokens_->Increment(); }
 
 void RouterMetrics::OnError(int grpc_code) {
   constexpr int kUnknown = 2;

@@ -37,6 +37,9 @@ class RouterMetrics : public ForwardObserver {
   void OnRequest(double seconds);
   void OnBatch(int64_t tokens, int64_t requests);
   void OnQueueDepth(int64_t requests);
+  // Generate: a stream starts or ends; a token was streamed.
+  void OnStream(int delta);
+  void OnGeneratedToken();
   void OnError(int grpc_code);
 
  private:
@@ -57,6 +60,8 @@ class RouterMetrics : public ForwardObserver {
   prometheus::Histogram* batch_tokens_;
   prometheus::Histogram* batch_requests_;
   prometheus::Gauge* queue_depth_;
+  prometheus::Gauge* streams_;
+  prometheus::Counter* generated_tokens_;
   // By gRPC status code; every code but OK is created at zero, so the series
   // exist before the first error.
   std::vector<prometheus::Counter*> errors_;

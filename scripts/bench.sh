@@ -4,6 +4,7 @@
 #   scripts/bench.sh train [--steps N] [--out DIR] [-- extra himoe-trainer flags]
 #   scripts/bench.sh soak [scripts/soak.py flags: --seconds 60 --rate 100 ...]
 #   scripts/bench.sh startup [--reps N]
+#   scripts/bench.sh generate [himoe-generate-bench flags]
 #
 # train: back to back, on the released code's config (4 layers, d 128, block
 # 128, batch 16, 8 experts in 4 groups, K 4, width 512) and on the main job's
@@ -18,7 +19,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${HIMOE_BUILD_DIR:-${ROOT}/build}"
 TRAINER="${BUILD}/trainer/himoe-trainer"
 
-usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 
 [[ $# -ge 1 ]] || usage
 mode="$1"; shift
@@ -34,6 +35,12 @@ if [[ "${mode}" == startup ]]; then
   # runs/bench/startup.md.
   exec /usr/bin/python3 "${ROOT}/scripts/startup_bench.py" --build "${BUILD}" \
     --out "${ROOT}/runs/bench/startup.md" "$@"
+fi
+if [[ "${mode}" == generate ]]; then
+  # generate: Generate's decoding, KV cache vs full recompute and 8 concurrent
+  # streams vs 1 (tests/bench/generate_bench.cc); writes runs/bench/generate.md.
+  mkdir -p "${ROOT}/runs/bench"
+  exec "${BUILD}/tests/bench/himoe-generate-bench" --out "${ROOT}/runs/bench/generate.md" "$@"
 fi
 [[ "${mode}" == train ]] || usage
 steps=60

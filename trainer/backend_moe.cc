@@ -39,7 +39,8 @@ absl::StatusOr<router::MoEOutput> BackendMoE::Forward(int layer, const at::Tenso
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
     {
       HIMOE_PROFILE_SCOPE("routing, aux losses");
-      HIMOE_ASSIGN_OR_RETURN(out.routing, routers_[layer]->Route(x, call.training));
+      HIMOE_ASSIGN_OR_RETURN(out.routing,
+                             routers_[layer]->Route(x, call.training, call.segments));
     }
     std::vector<at::Tensor> rows, ids;
     {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -97,7 +98,8 @@ const Checkpoints& Trained() {
 // backend and the MoE layers too.
 std::shared_ptr<Generator> MakeGenerator(const std::string& checkpoint,
                                          const std::vector<std::string>& addresses = {},
-                                         bool load_expert_state = true) {
+                                         bool load_expert_state = true,
+                                         model::GeneratorOptions go = {}) {
   struct Stack {
     std::unique_ptr<ExpertBackend> experts;
     std::unique_ptr<BackendMoE> moe;
@@ -116,7 +118,6 @@ std::shared_ptr<Generator> MakeGenerator(const std::string& checkpoint,
       HIMOE_ASSIGN_OR_RETURN(stack->experts, CreateRemoteBackend(eo));
     }
     HIMOE_ASSIGN_OR_RETURN(stack->moe, BackendMoE::Create(contents.model, stack->experts.get()));
-    model::GeneratorOptions go;
     go.load_expert_state = load_expert_state;
     go.max_new_tokens_limit = 512;
     HIMOE_ASSIGN_OR_RETURN(stack->generator,
@@ -245,6 +246,88 @@ TEST(GenerateTest, GreedyIsTheArgmaxOfEachPrefix) {
   }
 }
 
+model::GeneratorOptions NoKvCache() {
+  model::GeneratorOptions go;
+  go.kv_cache = false;
+  return go;
+}
+
+// The KV cache changes no token: sampled, top-k and greedy runs of 60 tokens
+// (past the block size of 32, where the window is recomputed) equal the full
+// recompute of every context.
+TEST(GenerateTest, TheKvCacheSamplesWhatFullRecomputeSamples) {
+  auto cached = MakeGenerator(Trained().trained);
+  auto full = MakeGenerator(Trained().trained, {}, true, NoKvCache());
+  ASSERT_NE(cached, nullptr);
+  ASSERT_NE(full, nullptr);
+  for (const auto& p : {Params("The ", 60, 1.0, 0, 5), Params("a", 60, 0.8, 5, 6),
+                        Params("The router ", 60, 0.0, 0, 7)}) {
+    EXPECT_EQ(Sample(*cached, p), Sample(*full, p)) << "seed " << p.seed;
+  }
+}
+
+// Concurrent streams are decoded together (fewer steps than tokens) and each
+// samples exactly what it samples alone.
+TEST(GenerateTest, ConcurrentStreamsEqualTheirRunsAlone) {
+  auto g = MakeGenerator(Trained().trained);
+  ASSERT_NE(g, nullptr);
+  const std::vector<model::GenerateParams> params = {
+      Params("The ", 40, 1.0, 0, 11), Params("Hi", 25, 0.7, 8, 12),
+      Params("router", 33, 0.0, 0, 13), Params("x", 40, 1.0, 3, 14)};
+  std::vector<std::vector<int64_t>> alone;
+  for (const auto& p : params) alone.push_back(Sample(*g, p));
+  const model::GeneratorStats before = g->stats();
+  std::vector<std::vector<int64_t>> together(params.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < params.size(); ++i) {
+    threads.emplace_back([&, i] {
+      const absl::Status s = g->Generate(params[i], [&, i](int64_t t) {
+        // A stream's first token waits until every stream has joined: the
+        // first step holds, and the next decodes all of them.
+        if (together[i].empty()) {
+          for (int w = 0; w < 3000 && g->stats().active_streams < 4; ++w) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          }
+        }
+        together[i].push_back(t);
+        return true;
+      });
+      EXPECT_TRUE(s.ok()) << s;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_EQ(together[i], alone[i]) << "stream " << i;
+  const model::GeneratorStats after = g->stats();
+  EXPECT_EQ(after.tokens - before.tokens, 40 + 25 + 33 + 40);
+  // Every stream is in step 1 or 2, so the last ends by step 2 + 40 - 1:
+  // 138 tokens in at most 41 steps.
+  EXPECT_LE(after.steps - before.steps, 41);
+  EXPECT_EQ(after.active_streams, 0);
+}
+
+// Beyond max_streams a request is refused at once; a cancelled stream leaves.
+TEST(GenerateTest, StreamsBeyondTheLimitAreRefusedAndCancelledOnesLeave) {
+  model::GeneratorOptions go;
+  go.max_streams = 1;
+  auto g = MakeGenerator(Trained().trained, {}, true, go);
+  ASSERT_NE(g, nullptr);
+  absl::Status refused;
+  int tokens = 0;
+  const absl::Status cancelled = g->Generate(Params("The ", 50, 1.0, 0, 1), [&](int64_t) {
+    if (++tokens == 2) {
+      refused = g->Generate(Params("x", 5, 1.0, 0, 2), [](int64_t) { return true; });
+    }
+    return tokens < 3;
+  });
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.message(), "generate: 1 streams are decoding (max_streams = 1); retry later");
+  EXPECT_EQ(cancelled.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(tokens, 3);
+  EXPECT_EQ(g->stats().rejected, 1);
+  EXPECT_EQ(g->stats().active_streams, 0);
+  EXPECT_EQ(Sample(*g, Params("x", 5, 1.0, 0, 2)).size(), 5u);  // serving goes on
+}
+
 TEST(GenerateTest, TrainedModelWritesText) {
   const Checkpoints& c = Trained();
   auto trained = MakeGenerator(c.trained);
@@ -353,6 +436,30 @@ TEST_F(RouterGenerateTest, StreamsTheReferenceSample) {
   std::string again_text;
   ASSERT_TRUE(Call(*stub, by_ids, &again, &again_text).ok());
   EXPECT_EQ(again, tokens);
+}
+
+// Eight concurrent gRPC streams through the router (decoded together, their
+// MoE rows batched by the router) each equal the in-process reference alone.
+TEST_F(RouterGenerateTest, ConcurrentStreamsEachEqualTheReference) {
+  constexpr int kStreams = 8;
+  std::vector<std::vector<int64_t>> tokens(kStreams);
+  std::vector<grpc::Status> status(kStreams);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] {
+      auto stub = Stub(server_->port());
+      std::string text;
+      status[i] = Call(*stub, Request("The ", 24, 1.0f, 0, 100 + i), &tokens[i], &text);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kStreams; ++i) {
+    ASSERT_TRUE(status[i].ok()) << i << ": " << status[i].error_message();
+    EXPECT_EQ(tokens[i], Sample(*reference_, Params("The ", 24, 1.0f, 0, 100 + i))) << i;
+  }
+  const model::GeneratorStats stats = server_->generator()->stats();
+  EXPECT_EQ(stats.tokens, kStreams * 24);
+  EXPECT_EQ(stats.active_streams, 0);
 }
 
 // himoe-router --checkpoint also routes RouteForward with the trained routers:
