@@ -54,12 +54,13 @@ std::vector<prometheus::MetricFamily> ExpertMetrics::Collect() const {
   }
   out.push_back(std::move(tokens));
 
-  const struct {
+  struct Scalar {
     const char* name;
     const char* help;
     MetricType type;
     double value;
-  } scalars[] = {
+  };
+  std::vector<Scalar> scalars = {
       {"himoe_expert_forward_requests_total", "Forward calls, failed ones included",
        MetricType::Counter, static_cast<double>(c.forward_requests)},
       {"himoe_expert_forward_failures_total", "Forward calls that returned an error",
@@ -68,7 +69,7 @@ std::vector<prometheus::MetricFamily> ExpertMetrics::Collect() const {
        MetricType::Counter, static_cast<double>(c.bytes_in)},
       {"himoe_expert_sent_bytes_total", "Tensor payload bytes returned by Forward",
        MetricType::Counter, static_cast<double>(c.bytes_out)},
-      {"himoe_expert_inflight_requests", "Forward calls running now (queue depth)",
+      {"himoe_expert_inflight_requests", "Forward calls running now",
        MetricType::Gauge, static_cast<double>(c.in_flight)},
       {"himoe_expert_pending_saved", "Forward states saved for a Backward not come yet",
        MetricType::Gauge, static_cast<double>(c.pending_saved)},
@@ -77,31 +78,19 @@ std::vector<prometheus::MetricFamily> ExpertMetrics::Collect() const {
       {"himoe_expert_last_applied_step", "Step id of the last optimizer update",
        MetricType::Gauge, static_cast<double>(core_->last_applied_step())},
   };
-  for (const auto& s : scalars) {
+  if (pool_ != nullptr) {
+    scalars.push_back({"himoe_expert_compute_queue_depth", "Calls waiting for a compute worker",
+                       MetricType::Gauge, static_cast<double>(pool_->queued())});
+    scalars.push_back({"himoe_expert_compute_busy_workers", "Compute workers running a call now",
+                       MetricType::Gauge, static_cast<double>(pool_->running())});
+    scalars.push_back({"himoe_expert_compute_rejected_total",
+                       "Calls refused with RESOURCE_EXHAUSTED: the compute queue was full",
+                       MetricType::Counter, static_cast<double>(pool_->rejected())});
+  }
+  for (const Scalar& s : scalars) {
     auto f = Family(s.name, s.help, s.type);
     f.metric.push_back(Value(s.type, s.value, {{"group", group}}));
     out.push_back(std::move(f));
-  }
-  if (pool_ != nullptr) {
-    const struct {
-      const char* name;
-      const char* help;
-      MetricType type;
-      double value;
-    } queue[] = {
-        {"himoe_expert_compute_queue_depth", "Calls waiting for a compute worker",
-         MetricType::Gauge, static_cast<double>(pool_->queued())},
-        {"himoe_expert_compute_busy_workers", "Compute workers running a call now",
-         MetricType::Gauge, static_cast<double>(pool_->running())},
-        {"himoe_expert_compute_rejected_total",
-         "Calls refused with RESOURCE_EXHAUSTED: the compute queue was full",
-         MetricType::Counter, static_cast<double>(pool_->rejected())},
-    };
-    for (const auto& q : queue) {
-      auto f = Family(q.name, q.help, q.type);
-      f.metric.push_back(Value(q.type, q.value, {{"group", group}}));
-      out.push_back(std::move(f));
-    }
   }
 
   auto latency = Family("himoe_expert_compute_duration_seconds",

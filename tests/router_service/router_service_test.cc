@@ -87,6 +87,22 @@ class RouterServiceTest : public ::testing::Test {
     return Call(request);
   }
 
+  // Layer 0 of every input, each from its own client thread at once.
+  void RouteConcurrently(const std::vector<at::Tensor>& inputs, std::vector<at::Tensor>* outputs) {
+    outputs->assign(inputs.size(), at::Tensor());
+    std::vector<absl::Status> status(inputs.size());
+    std::vector<std::thread> threads;
+    for (size_t c = 0; c < inputs.size(); ++c) {
+      threads.emplace_back([&, c] {
+        auto r = Route(0, inputs[c]);
+        status[c] = r.status();
+        if (r.ok()) (*outputs)[c] = Output(*r);
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (size_t c = 0; c < inputs.size(); ++c) ASSERT_TRUE(status[c].ok()) << c << ": " << status[c];
+  }
+
   // LocalMoE of layer `layer` with the router's routing config.
   MoEOutput Reference(const RoutingConfig& routing, int layer, const at::Tensor& x) {
     LocalMoEOptions o;
@@ -169,22 +185,10 @@ TEST_F(RouterServiceTest, ConcurrentClientsEachGetTheirOwnRows) {
   o.batching.max_queue_delay = std::chrono::milliseconds(20);
   StartRouter(o);
   constexpr int kClients = 12;
-  std::vector<at::Tensor> inputs, outputs(kClients);
+  std::vector<at::Tensor> inputs;
   for (int c = 0; c < kClients; ++c) inputs.push_back(at::randn({3 + 5 * c, kD}));
-  std::vector<std::thread> threads;
-  std::atomic<int> failures{0};
-  for (int c = 0; c < kClients; ++c) {
-    threads.emplace_back([&, c] {
-      auto r = Route(0, inputs[c]);
-      if (!r.ok()) {
-        ++failures;
-        return;
-      }
-      outputs[c] = Output(*r);
-    });
-  }
-  for (auto& t : threads) t.join();
-  ASSERT_EQ(failures.load(), 0);
+  std::vector<at::Tensor> outputs;
+  ASSERT_NO_FATAL_FAILURE(RouteConcurrently(inputs, &outputs));
   for (int c = 0; c < kClients; ++c) {
     EXPECT_LE(MaxAbsDiff(outputs[c], Reference(o.moe.routing, 0, inputs[c]).output), 1e-5)
         << "client " << c;
@@ -203,22 +207,10 @@ TEST_F(RouterServiceTest, WithCapacityConcurrentCallersEqualTheirCallsAlone) {
     o.batching.max_queue_delay = std::chrono::milliseconds(50);
     StartRouter(o);
     constexpr int kClients = 8;
-    std::vector<at::Tensor> inputs, outputs(kClients);
+    std::vector<at::Tensor> inputs;
     for (int c = 0; c < kClients; ++c) inputs.push_back(at::randn({4 + 3 * c, kD}));
-    std::vector<std::thread> threads;
-    std::atomic<int> failures{0};
-    for (int c = 0; c < kClients; ++c) {
-      threads.emplace_back([&, c] {
-        auto r = Route(0, inputs[c]);
-        if (!r.ok()) {
-          ++failures;
-          return;
-        }
-        outputs[c] = Output(*r);
-      });
-    }
-    for (auto& t : threads) t.join();
-    ASSERT_EQ(failures.load(), 0);
+    std::vector<at::Tensor> outputs;
+    ASSERT_NO_FATAL_FAILURE(RouteConcurrently(inputs, &outputs));
     std::cout << kClients << " requests in " << router_->batcher().batches() << " batches\n";
     for (int c = 0; c < kClients; ++c) {
       EXPECT_LE(MaxAbsDiff(outputs[c], Reference(o.moe.routing, 0, inputs[c]).output), 1e-5)
