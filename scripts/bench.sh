@@ -5,6 +5,7 @@
 #   scripts/bench.sh soak [scripts/soak.py flags: --seconds 60 --rate 100 ...]
 #   scripts/bench.sh startup [--reps N]
 #   scripts/bench.sh generate [himoe-generate-bench flags]
+#   scripts/bench.sh serve [himoe-serve-bench flags]
 #
 # train: back to back, on the released code's config (4 layers, d 128, block
 # 128, batch 16, 8 experts in 4 groups, K 4, width 512) and on the main job's
@@ -19,7 +20,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${HIMOE_BUILD_DIR:-${ROOT}/build}"
 TRAINER="${BUILD}/trainer/himoe-trainer"
 
-usage() { sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 
 [[ $# -ge 1 ]] || usage
 mode="$1"; shift
@@ -35,6 +36,12 @@ if [[ "${mode}" == startup ]]; then
   # runs/bench/startup.md.
   exec /usr/bin/python3 "${ROOT}/scripts/startup_bench.py" --build "${BUILD}" \
     --out "${ROOT}/runs/bench/startup.md" "$@"
+fi
+if [[ "${mode}" == serve ]]; then
+  # serve: RouteForward batching on/off, latency, routing, codec and M
+  # scaling ratios (tests/bench/serve_bench.cc); writes runs/bench/serve.md.
+  mkdir -p "${ROOT}/runs/bench"
+  exec "${BUILD}/tests/bench/himoe-serve-bench" --out "${ROOT}/runs/bench/serve.md" "$@"
 fi
 if [[ "${mode}" == generate ]]; then
   # generate: Generate's decoding, KV cache vs full recompute and 8 concurrent
