@@ -28,12 +28,8 @@
 #include "common/compute_setup.h"
 #include "common/program.h"
 #include "common/status_macros.h"
-#include "model/checkpoint_reader.h"
 #include "model/generator.h"
-#include "model/model_config.h"
-#include "model/transformer_lm.h"
-#include "trainer/backend_moe.h"
-#include "trainer/expert_backend.h"
+#include "tests/untrained_lm.h"
 
 ABSL_FLAG(int32_t, threads, 0, "torch threads; 0 = all cores");
 ABSL_FLAG(int32_t, new_tokens, 64, "tokens each stream samples");
@@ -43,15 +39,8 @@ ABSL_FLAG(std::string, out, "", "also write the table here");
 namespace himoe {
 namespace {
 
-struct Lm {
-  std::unique_ptr<trainer::ExpertBackend> experts;
-  std::unique_ptr<trainer::BackendMoE> moe;
-  std::unique_ptr<model::Generator> generator;
-};
-
-absl::StatusOr<std::unique_ptr<Lm>> MakeLm(bool kv_cache) {
-  model::CheckpointContents contents;
-  model::ModelOptions& o = contents.model;
+absl::StatusOr<std::unique_ptr<testing::UntrainedLm>> MakeLm(bool kv_cache) {
+  model::ModelOptions o;
   o.n_layer = 2;
   o.n_head = 4;
   o.d_model = 256;
@@ -61,19 +50,9 @@ absl::StatusOr<std::unique_ptr<Lm>> MakeLm(bool kv_cache) {
   o.routing.num_experts = 8;
   o.routing.num_groups = 4;
   o.routing.top_k = 1;
-  auto lm = std::make_unique<Lm>();
-  trainer::ExpertBackendOptions eo;
-  eo.shape = model::ExpertShapeFor(o);
-  HIMOE_ASSIGN_OR_RETURN(lm->experts, trainer::CreateInProcessBackend(eo));
-  HIMOE_ASSIGN_OR_RETURN(lm->moe, trainer::BackendMoE::Create(o, lm->experts.get()));
-  HIMOE_ASSIGN_OR_RETURN(auto fresh, model::TransformerLM::Create(o, lm->moe.get()));
-  contents.dense = model::DenseState(*fresh);
-  contents.experts.resize(o.routing.num_groups);
   model::GeneratorOptions go;
-  go.load_expert_state = false;
   go.kv_cache = kv_cache;
-  HIMOE_ASSIGN_OR_RETURN(lm->generator, model::Generator::Create(contents, lm->moe.get(), go));
-  return lm;
+  return testing::MakeUntrainedLm(o, go);
 }
 
 model::GenerateParams Params(int prompt_tokens, int new_tokens, uint64_t seed) {
