@@ -663,6 +663,9 @@ TEST_F(ExpertServiceTest, ACallThatExpiredWaitingForComputeIsNotComputed) {
   const grpc::Status status =
       stub_->Forward(&context, MakeRequest(1, {{2, at::randn({3, kD})}}), &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The server's deadline is the client's plus the request's transit (it
+  // receives a relative timeout): let that pass too before the worker frees.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
   release.set_value();
   // The queued call ran to its deadline check; the core never saw it.
   for (int i = 0; i < 1000 && server_->compute_pool().completed() < 2; ++i) {
