@@ -27,6 +27,9 @@ struct ComputeOptions {
   // Threads of the GEMM-rate probe; 0 = `threads`. A coordinator that leaves
   // cores to its expert processes measures against all of them.
   int gemm_threads = 0;
+  // Have glibc keep freed memory for reuse rather than unmapping and
+  // trimming it (see KeepHeap in compute_setup.cc).
+  bool keep_heap = true;
 };
 
 // One kernel set timed by the probe.
@@ -39,6 +42,7 @@ struct KernelProbe {
 struct ComputeSetup {
   int threads = 1;
   int blas_threads = 1;
+  std::string malloc;          // how glibc's allocator was set up
   std::string blas;            // e.g. "BLIS (openmp)"
   std::string kernels;         // the kernel set in use, e.g. "skx"
   std::string kernels_source;  // "probed", "cached", "BLIS_ARCH_TYPE", "library"
@@ -47,6 +51,10 @@ struct ComputeSetup {
   // timed for BLIS's pthreads build only.
   std::vector<double> blas_thread_gflops;
   double gemm_gflops = 0;         // large fp32 GEMMs on `gemm_threads` threads
+  // A [4,256]x[256,1024] product as one GEMM and as 4 GEMVs (microseconds,
+  // best of several), and the RowwiseLinearRows() chosen from them.
+  double small_gemm_us = 0, small_gemv_us = 0;
+  int64_t rowwise_linear_rows = 0;
   int gemm_threads = 1;
   // The vector units' peak at the clock /proc/cpuinfo reports; 0 if unknown.
   double vector_peak_gflops = 0;

@@ -1,6 +1,9 @@
 #include "common/tensor_codec.h"
 
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -56,15 +59,26 @@ absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* out) {
   });
 }
 
-absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto,
-                                        absl::string_view field) {
+namespace {
+
+struct Layout {
+  c10::ScalarType type;
+  std::vector<int64_t> shape;
+  int64_t bytes = 0;
+};
+
+// Everything DecodeTensor checks, before any byte is touched.
+absl::StatusOr<Layout> CheckLayout(const v1::Tensor& proto, absl::string_view field) {
   auto scalar_type = ScalarTypeFromProto(proto.dtype());
   if (!scalar_type.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".", scalar_type.status().message()));
   }
-  const int64_t element_size = c10::elementSize(*scalar_type);
-  std::vector<int64_t> shape(proto.shape().begin(), proto.shape().end());
+  Layout layout;
+  layout.type = *scalar_type;
+  const int64_t element_size = c10::elementSize(layout.type);
+  std::vector<int64_t>& shape = layout.shape;
+  shape.assign(proto.shape().begin(), proto.shape().end());
   int64_t numel = 1;
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] < 0) {
@@ -77,24 +91,51 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto,
           "]: the element count overflows int64"));
     }
   }
-  int64_t expected_bytes = 0;
-  if (__builtin_mul_overflow(numel, element_size, &expected_bytes)) {
+  if (__builtin_mul_overflow(numel, element_size, &layout.bytes)) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ".shape [", absl::StrJoin(shape, ","),
         "]: the byte count overflows int64"));
   }
-  if (static_cast<int64_t>(proto.data().size()) != expected_bytes) {
+  if (static_cast<int64_t>(proto.data().size()) != layout.bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ".data has ", proto.data().size(), " bytes; shape [",
-        absl::StrJoin(shape, ","), "] of ", c10::toString(*scalar_type),
-        " needs ", expected_bytes));
+        absl::StrJoin(shape, ","), "] of ", c10::toString(layout.type),
+        " needs ", layout.bytes));
   }
+  return layout;
+}
+
+}  // namespace
+
+absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto,
+                                        absl::string_view field) {
+  HIMOE_ASSIGN_OR_RETURN(const Layout layout, CheckLayout(proto, field));
   at::Tensor out;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-    out = at::empty(shape, at::TensorOptions().dtype(*scalar_type));
-    if (expected_bytes > 0) {
-      std::memcpy(out.data_ptr(), proto.data().data(), expected_bytes);
-    }
+    out = at::empty(layout.shape, at::TensorOptions().dtype(layout.type));
+    if (layout.bytes > 0) std::memcpy(out.data_ptr(), proto.data().data(), layout.bytes);
+    return absl::OkStatus();
+  }));
+  return out;
+}
+
+absl::StatusOr<at::Tensor> TakeTensor(v1::Tensor* proto, absl::string_view field) {
+  HIMOE_ASSIGN_OR_RETURN(const Layout layout, CheckLayout(*proto, field));
+  const auto address = reinterpret_cast<uintptr_t>(proto->data().data());
+  // Small payloads live inside the string object (no heap buffer to take).
+  constexpr int64_t kMinTakenBytes = 256;
+  if (layout.bytes < kMinTakenBytes || address % alignof(std::max_align_t) != 0) {
+    return DecodeTensor(*proto, field);
+  }
+  // The tensor's deleter owns the bytes from here (layout is checked, so
+  // from_blob has nothing left to refuse).
+  auto* owned = new std::string();
+  owned->swap(*proto->mutable_data());
+  at::Tensor out;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    out = at::from_blob(
+        owned->data(), layout.shape, [owned](void*) { delete owned; },
+        at::TensorOptions().dtype(layout.type));
     return absl::OkStatus();
   }));
   return out;

@@ -23,6 +23,12 @@ absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* out);
 absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto,
                                         absl::string_view field = "tensor");
 
+// DecodeTensor without the copy, for a message the caller owns: the tensor
+// takes `proto`'s bytes and aliases them (proto->data() is left empty). Falls
+// back to a copy where the bytes are not aligned for the dtype. On error
+// `proto` is unchanged.
+absl::StatusOr<at::Tensor> TakeTensor(v1::Tensor* proto, absl::string_view field = "tensor");
+
 }  // namespace himoe
 
 #endif  // HIMOE_COMMON_TENSOR_CODEC_H_

@@ -1,6 +1,7 @@
 #include "expert_service/expert_group.h"
 
 #include <cmath>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/types.h>
@@ -8,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/expert_shape.h"
+#include "common/linear.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "common/torch_runtime.h"
@@ -36,7 +38,7 @@ at::Tensor Uniform(at::IntArrayRef shape, int64_t fan_in, at::Generator& gen) {
 at::Tensor ExpertFfn(const at::Tensor& x, const at::Tensor& w1,
                      const at::Tensor& b1, const at::Tensor& w2,
                      const at::Tensor& b2) {
-  return at::linear(at::gelu(at::linear(x, w1, b1)), w2, b2);
+  return Linear(at::gelu(Linear(x, w1, b1)), w2, b2);
 }
 
 absl::StatusOr<std::unique_ptr<ExpertGroup>> ExpertGroup::Create(const v1::ExpertShape& shape,
@@ -89,6 +91,9 @@ absl::StatusOr<at::Tensor> ExpertGroup::Forward(const at::Tensor& rows,
         "], got [", absl::StrJoin(expert_ids.sizes(), ", "), "]"));
   }
   at::Tensor out;
+  if (device_.is_cpu() && rows.size(0) > 0 && rows.size(0) < RowwiseLinearRows()) {
+    return ForwardFewRows(rows, expert_ids);
+  }
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
     const at::Tensor local =
         (expert_ids.to(device_, at::kLong) - first_expert());
@@ -107,6 +112,31 @@ absl::StatusOr<at::Tensor> ExpertGroup::Forward(const at::Tensor& rows,
       const at::Tensor y = ExpertFfn(x.index_select(0, idx), w1_[s], b1_[s], w2_[s], b2_[s]);
       out = out.index_copy(0, idx, y);
     }
+    return absl::OkStatus();
+  }));
+  return out;
+}
+
+absl::StatusOr<at::Tensor> ExpertGroup::ForwardFewRows(const at::Tensor& rows,
+                                                       const at::Tensor& expert_ids) const {
+  at::Tensor out;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+    const at::Tensor ids = expert_ids.to(at::kCPU, at::kLong).contiguous();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const at::Tensor x = rows.to(device_, dtype_);
+    std::vector<at::Tensor> ys;
+    for (int64_t i = 0; i < x.size(0); ++i) {
+      const int64_t s = id[i] - first_expert();
+      if (s < 0 || s >= experts_per_group()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "expert group ", group_id_, ": expert ids must be in [", first_expert(), ", ",
+            first_expert() + experts_per_group(), ")"));
+      }
+      // The rows' GEMVs of ExpertFfn (himoe::Linear below kRowwiseLinearRows).
+      const at::Tensor h = at::gelu(at::addmv(b1_[s], w1_[s], x[i]));
+      ys.push_back(at::addmv(b2_[s], w2_[s], h));
+    }
+    out = at::stack(ys);
     return absl::OkStatus();
   }));
   return out;

@@ -62,6 +62,12 @@ class ExpertGroup {
   int layer_;
   c10::Device device_;
   c10::ScalarType dtype_;
+  // Forward of fewer than RowwiseLinearRows() rows on the CPU (decoding): a
+  // row at a time, its expert's GEMVs, a handful of LibTorch ops per row
+  // where the general path spends a dozen per expert.
+  absl::StatusOr<at::Tensor> ForwardFewRows(const at::Tensor& rows,
+                                            const at::Tensor& expert_ids) const;
+
   at::Tensor w1_, b1_, w2_, b2_;
 };
 

@@ -79,16 +79,16 @@ absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>
   return absl::OkStatus();
 }
 
-absl::StatusOr<at::Tensor> ConcatExpertRows(const ExpertRowsList& parts,
+absl::StatusOr<at::Tensor> ConcatExpertRows(ExpertRowsList* parts,
                                             const ExpertRowsList& expected, int64_t d_model,
                                             absl::string_view what) {
-  if (parts.size() != expected.size()) {
-    return absl::InternalError(absl::StrCat(what, ": ", parts.size(), " row blocks for ",
+  if (parts->size() != expected.size()) {
+    return absl::InternalError(absl::StrCat(what, ": ", parts->size(), " row blocks for ",
                                             expected.size(), " sent"));
   }
   std::vector<at::Tensor> pieces;
-  for (int i = 0; i < parts.size(); ++i) {
-    HIMOE_ASSIGN_OR_RETURN(at::Tensor y, DecodeTensor(parts.Get(i).rows(), what));
+  for (int i = 0; i < parts->size(); ++i) {
+    HIMOE_ASSIGN_OR_RETURN(at::Tensor y, TakeTensor(parts->Mutable(i)->mutable_rows(), what));
     if (y.dim() != 2 || y.size(0) != expected.Get(i).rows().shape(0) || y.size(1) != d_model) {
       return absl::InternalError(absl::StrCat(what, ": block ", i, " has the wrong shape"));
     }
@@ -96,7 +96,11 @@ absl::StatusOr<at::Tensor> ConcatExpertRows(const ExpertRowsList& parts,
   }
   at::Tensor out;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-    out = pieces.empty() ? at::zeros({0, d_model}) : at::cat(pieces).to(at::kFloat);
+    if (pieces.empty()) {
+      out = at::zeros({0, d_model});
+    } else {
+      out = (pieces.size() == 1 ? pieces[0] : at::cat(pieces)).to(at::kFloat);
+    }
     return absl::OkStatus();
   }));
   return out;

@@ -42,8 +42,9 @@ absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>
                               int64_t begin, int64_t end, ExpertRowsList* out);
 
 // Client side. Concatenates the rows of `parts` into one [n, d_model] float32
-// tensor, checking that part i has as many rows as `expected[i]`.
-absl::StatusOr<at::Tensor> ConcatExpertRows(const ExpertRowsList& parts,
+// tensor, checking that part i has as many rows as `expected[i]`. Takes the
+// parts' bytes (TakeTensor): a single float32 part is returned without a copy.
+absl::StatusOr<at::Tensor> ConcatExpertRows(ExpertRowsList* parts,
                                             const ExpertRowsList& expected, int64_t d_model,
                                             absl::string_view what);
 

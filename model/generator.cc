@@ -52,6 +52,7 @@ absl::StatusOr<std::unique_ptr<Generator>> Generator::Create(const CheckpointCon
   g->model_ = *std::move(model);
   HIMOE_RETURN_IF_ERROR(RestoreDenseState(contents, *g->model_));
   g->model_->eval();
+  g->kv_pool_ = g->model_->NewKvCachePool();
   return g;
 }
 
@@ -163,6 +164,7 @@ void Generator::DecodeLoop() {
     if (stopping_) {
       for (Stream* s : streams_) {
         s->status = absl::UnavailableError("generator: shutting down");
+        s->cache = KvCache();
         s->ended = true;
       }
       streams_.clear();
@@ -188,6 +190,7 @@ void Generator::DecodeLoop() {
     }
     streams_ = std::move(running);
     stats_.active_streams = static_cast<int64_t>(streams_.size());
+    stats_.kv_cache_slots = kv_pool_->slots_in_use();
     cv_.notify_all();
   }
 }
@@ -212,9 +215,10 @@ absl::StatusOr<at::Tensor> Generator::StepLogits(const std::vector<Stream*>& str
   std::vector<KvCache*> caches;
   for (Stream* s : streams) {
     const std::vector<int64_t>& c = s->context;
+    if (s->cache.pool() == nullptr) s->cache = kv_pool_->Acquire();
     if (c.size() > block) {
       // Past block_size the window's positions shift: recompute it.
-      s->cache = KvCache();
+      s->cache.length = 0;
       tokens.emplace_back(c.end() - block, c.end());
     } else if (s->cache.length == 0) {
       tokens.push_back(c);  // the prompt

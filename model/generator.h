@@ -91,6 +91,7 @@ class Generator final : public TextGenerator {
   std::string checkpoint_dir_;
   std::shared_ptr<TransformerLM> model_;
   std::mutex model_mu_;  // the model: decoding steps and NextTokenLogits
+  std::unique_ptr<KvCachePool> kv_pool_;  // the streams' caches (kv_cache)
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

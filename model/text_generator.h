@@ -23,6 +23,7 @@ struct GeneratorStats {
   int64_t steps = 0;           // decoding steps (each samples one token per stream)
   int64_t active_streams = 0;  // decoding now
   int64_t rejected = 0;        // requests refused: max_streams were decoding
+  int64_t kv_cache_slots = 0;  // KV cache slots held by streams
 };
 
 // A language model the router can sample from (the trainer's checkpointed LM

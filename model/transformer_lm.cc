@@ -1,10 +1,14 @@
 #include "model/transformer_lm.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <memory>
 
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/linear.h"
 #include "common/profile_scope.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
@@ -102,23 +106,48 @@ at::Tensor TransformerLM::Attention(Block& b, const at::Tensor& x) {
   return b.proj->forward(y);
 }
 
-at::Tensor TransformerLM::CachedAttention(size_t index, const at::Tensor& qkv, KvCache& cache) {
-  const int64_t n = qkv.size(0), C = options_.d_model, H = options_.n_head;
-  const int64_t past = cache.length;
-  const auto parts = qkv.split(C, 1);
-  const auto heads = [&](const at::Tensor& t) {
-    return t.view({1, n, H, C / H}).transpose(1, 2);
+std::unique_ptr<KvCachePool> TransformerLM::NewKvCachePool() const {
+  return std::make_unique<KvCachePool>(static_cast<int>(blocks_.size()), options_.block_size,
+                                       options_.d_model);
+}
+
+at::Tensor TransformerLM::CachedAttention(KvCachePool& pool, size_t index, const at::Tensor& q,
+                                          int slot, int64_t past) {
+  const int64_t n = q.size(0), C = options_.d_model, H = options_.n_head;
+  const int64_t keys = past + n;
+  const auto heads = [&](const at::Tensor& t, int64_t rows) {
+    return t.view({rows, H, C / H}).transpose(0, 1);  // [H, rows, C/H]
   };
-  const at::Tensor q = heads(parts[0]);
-  at::Tensor& k = cache.k[index];
-  at::Tensor& v = cache.v[index];
-  k = k.defined() ? at::cat({k, heads(parts[1])}, 2) : heads(parts[1]).contiguous();
-  v = v.defined() ? at::cat({v, heads(parts[2])}, 2) : heads(parts[2]).contiguous();
-  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(C / H));
+  const at::Tensor k = heads(pool.keys(index).select(0, slot).narrow(0, 0, keys), keys);
+  const at::Tensor v = heads(pool.values(index).select(0, slot).narrow(0, 0, keys), keys);
+  at::Tensor att =
+      at::matmul(heads(q, n), k.transpose(-2, -1)) / std::sqrt(static_cast<double>(C / H));
   // Query i sits at position past + i: it sees keys 0 .. past + i.
-  const at::Tensor mask = at::ones({n, past + n}, qkv.options().dtype(at::kBool)).triu(past + 1);
+  const at::Tensor mask = at::ones({n, keys}, q.options().dtype(at::kBool)).triu(past + 1);
   att = at::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
-  return at::matmul(att, v).transpose(1, 2).contiguous().view({n, C});
+  return at::matmul(att, v).transpose(0, 1).contiguous().view({n, C});
+}
+
+at::Tensor TransformerLM::BatchedCachedAttention(KvCachePool& pool, size_t index,
+                                                 const at::Tensor& q, const at::Tensor& slots,
+                                                 const std::vector<int64_t>& lengths) {
+  const int64_t S = q.size(0), C = options_.d_model, H = options_.n_head;
+  const int64_t keys = *std::max_element(lengths.begin(), lengths.end());
+  const auto gather = [&](at::Tensor& pooled) {  // [S, H, keys, C/H]
+    return pooled.narrow(1, 0, keys).index_select(0, slots).view({S, keys, H, C / H}).transpose(1, 2);
+  };
+  const at::Tensor k = gather(pool.keys(index));
+  const at::Tensor v = gather(pool.values(index));
+  at::Tensor att = at::matmul(q.view({S, H, 1, C / H}), k.transpose(-2, -1)) /
+                   std::sqrt(static_cast<double>(C / H));  // [S, H, 1, keys]
+  if (std::any_of(lengths.begin(), lengths.end(), [&](int64_t l) { return l != keys; })) {
+    // Keys past a sequence's length (another sequence's, or none) get weight 0.
+    const at::Tensor length = at::tensor(lengths, at::kLong).to(q.device()).view({S, 1, 1, 1});
+    const at::Tensor mask = at::arange(keys, length.options()).view({1, 1, 1, keys}) >= length;
+    att = att.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  }
+  att = at::softmax(att, -1);
+  return at::matmul(att, v).view({S, C});  // [S, H, 1, C/H] -> [S, C]
 }
 
 absl::StatusOr<at::Tensor> TransformerLM::DecodeStep(
@@ -126,13 +155,18 @@ absl::StatusOr<at::Tensor> TransformerLM::DecodeStep(
   if (tokens.empty() || tokens.size() != caches.size()) {
     return absl::InvalidArgumentError("model: DecodeStep needs one cache per sequence");
   }
+  KvCachePool* pool = caches[0] == nullptr ? nullptr : caches[0]->pool();
   MoECall call;
   for (size_t s = 0; s < tokens.size(); ++s) {
     const int64_t n = static_cast<int64_t>(tokens[s].size());
-    if (n < 1 || caches[s] == nullptr || caches[s]->length + n > options_.block_size) {
+    if (caches[s] == nullptr || pool == nullptr || caches[s]->pool() != pool) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model: sequence ", s, " has no cache of the first sequence's pool"));
+    }
+    if (n < 1 || caches[s]->length + n > options_.block_size) {
       return absl::InvalidArgumentError(absl::StrCat(
           "model: sequence ", s, " needs 1 to ", options_.block_size,
-          " tokens in all (cache ", caches[s] == nullptr ? 0 : caches[s]->length, " + ", n, ")"));
+          " tokens in all (cache ", caches[s]->length, " + ", n, ")"));
     }
     for (const int64_t t : tokens[s]) {
       if (t < 0 || t >= options_.vocab_size) {
@@ -148,46 +182,84 @@ absl::StatusOr<at::Tensor> TransformerLM::DecodeStep(
   ModelOutput unused;
   const at::Tensor zero = at::zeros({});
   unused.aux = {zero, zero, zero, zero, zero};
-  // Row-wise work (embeddings, norms, projections, FFNs) runs once over every
-  // sequence's new rows; only the attention core is per sequence.
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
-    std::vector<int64_t> ids, positions, last;
-    int64_t rows = 0;
+    // Rows of every sequence's new tokens, in order; each row's cache place.
+    std::vector<int64_t> ids, positions, row_slots, last;
+    // The sequences adding one token (attending together) and the rest.
+    std::vector<int64_t> single_rows, single_slots, single_lengths, fresh;
+    std::vector<size_t> multi;
+    int64_t rows = 0, max_rows = 0;
+    int max_slot = 0;
     for (size_t s = 0; s < S; ++s) {
-      const int64_t past = caches[s]->length;
-      for (size_t i = 0; i < tokens[s].size(); ++i) {
+      const int64_t past = caches[s]->length, n = call.segments[s];
+      if (past == 0) fresh.push_back(caches[s]->slot());
+      for (int64_t i = 0; i < n; ++i) {
         ids.push_back(tokens[s][i]);
-        positions.push_back(past + static_cast<int64_t>(i));
+        positions.push_back(past + i);
+        row_slots.push_back(caches[s]->slot());
       }
-      rows += call.segments[s];
+      if (n == 1) {
+        single_rows.push_back(rows);
+        single_slots.push_back(caches[s]->slot());
+        single_lengths.push_back(past + 1);
+      } else {
+        multi.push_back(s);
+      }
+      rows += n;
       last.push_back(rows - 1);
-      caches[s]->k.resize(blocks_.size());
-      caches[s]->v.resize(blocks_.size());
+      max_rows = std::max(max_rows, past + n);
+      max_slot = std::max(max_slot, caches[s]->slot());
     }
-    at::Tensor x = wte_->forward(at::tensor(ids, at::kLong)) +
-                   wpe_->forward(at::tensor(positions, at::kLong));  // [R, C]
+    const auto on_device = [&](const std::vector<int64_t>& v) {
+      return at::tensor(v, at::kLong).to(wte_->weight.device());
+    };
+    const at::Tensor id_t = on_device(ids), position_t = on_device(positions),
+                     slot_t = on_device(row_slots), single_row_t = on_device(single_rows),
+                     single_slot_t = on_device(single_slots), fresh_t = on_device(fresh);
+    at::Tensor x = wte_->forward(id_t) + wpe_->forward(position_t);  // [R, C]
+    pool->Reserve(max_slot + 1, max_rows, x.options());
     for (size_t i = 0; i < blocks_.size(); ++i) {
       Block& b = blocks_[i];
-      const at::Tensor qkv = b.qkv->forward(b.ln1->forward(x));  // [R, 3C]
-      std::vector<at::Tensor> attended;
-      int64_t offset = 0;
-      for (size_t s = 0; s < S; ++s) {
-        attended.push_back(CachedAttention(i, qkv.narrow(0, offset, call.segments[s]),
-                                           *caches[s]));
-        offset += call.segments[s];
+      const auto qkv = Linear(b.ln1->forward(x), b.qkv->weight, b.qkv->bias)
+                           .split(options_.d_model, 1);  // [R, C] x 3
+      if (!fresh.empty()) {
+        // Sequences starting over: no stale values where a mask reads (a
+        // masked weight is 0, but 0 * NaN is not).
+        pool->keys(i).index_fill_(0, fresh_t, 0);
+        pool->values(i).index_fill_(0, fresh_t, 0);
       }
-      x = x + b.proj->forward(S == 1 ? attended[0] : at::cat(attended));
+      pool->keys(i).index_put_({slot_t, position_t}, qkv[1]);
+      pool->values(i).index_put_({slot_t, position_t}, qkv[2]);
+      at::Tensor attended;
+      if (multi.empty()) {
+        attended = BatchedCachedAttention(*pool, i, qkv[0], single_slot_t, single_lengths);
+      } else {
+        attended = at::empty({rows, options_.d_model}, x.options());
+        if (!single_rows.empty()) {
+          attended.index_copy_(0, single_row_t,
+                               BatchedCachedAttention(*pool, i, qkv[0].index_select(0, single_row_t),
+                                                      single_slot_t, single_lengths));
+        }
+        for (const size_t s : multi) {
+          const int64_t first = last[s] - call.segments[s] + 1;
+          attended.narrow(0, first, call.segments[s])
+              .copy_(CachedAttention(*pool, i, qkv[0].narrow(0, first, call.segments[s]),
+                                     caches[s]->slot(), caches[s]->length));
+        }
+      }
+      x = x + Linear(attended, b.proj->weight, b.proj->bias);
       const at::Tensor n = b.ln2->forward(x);
       if (b.moe >= 0) {
         HIMOE_ASSIGN_OR_RETURN(at::Tensor y, MoeFfn(b.moe, n, call, &unused));
         x = x + y;
       } else {
-        x = x + b.fc_out->forward(at::gelu(b.fc->forward(n)));
+        x = x + Linear(at::gelu(Linear(n, b.fc->weight, b.fc->bias)), b.fc_out->weight,
+                       b.fc_out->bias);
       }
     }
     for (size_t s = 0; s < S; ++s) caches[s]->length += call.segments[s];
-    const at::Tensor tail = x.index_select(0, at::tensor(last, at::kLong));  // [S, C]
-    logits = at::linear(ln_f_->forward(tail), wte_->weight).to(at::kFloat);
+    const at::Tensor tail = x.index_select(0, on_device(last));  // [S, C]
+    logits = Linear(ln_f_->forward(tail), wte_->weight, at::Tensor()).to(at::kFloat);
     return absl::OkStatus();
   }));
   return logits;

@@ -11,6 +11,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "absl/status/statusor.h"
+#include "model/kv_cache.h"
 #include "model/model_config.h"
 #include "model/moe_layers.h"
 #include "router_service/router_layer.h"
@@ -22,13 +23,6 @@ struct ModelOutput {
   at::Tensor task_loss;  // cross entropy (when targets are given)
   router::RoutingLosses aux;  // summed over MoE layers (the terms they define)
   std::vector<router::RoutingStats> stats;  // per MoE layer
-};
-
-// Incremental decoding state of one sequence: each block's keys and values
-// [1, n_head, length, head_dim] for its first `length` tokens.
-struct KvCache {
-  std::vector<at::Tensor> k, v;  // per block
-  int64_t length = 0;
 };
 
 // nanoGPT-style decoder-only LM: token + position embeddings, pre-norm
@@ -52,12 +46,18 @@ class TransformerLM : public torch::nn::Module {
 
   // Inference with a KV cache, for several sequences at once: appends
   // tokens[s] to caches[s] (positions caches[s]->length on; the total may not
-  // pass block_size) and returns the logits [S, V] of each sequence's last
-  // new token. Attention runs per sequence against its cache; each FFN runs
-  // once over every sequence's new rows (an MoE layer gets them as one call,
-  // a segment per sequence). Equal to Forward on each whole sequence.
+  // pass block_size; every cache from one KvCachePool of this model's
+  // NewKvCachePool shape) and returns the logits [S, V] of each sequence's
+  // last new token. Every row-wise part runs once over all sequences' new
+  // rows (an MoE layer gets them as one call, a segment per sequence); the
+  // sequences that add one token attend together (one gather of their keys,
+  // masked to each one's length), longer ones (prompts) one by one. Equal to
+  // Forward on each whole sequence.
   absl::StatusOr<at::Tensor> DecodeStep(const std::vector<std::vector<int64_t>>& tokens,
                                         const std::vector<KvCache*>& caches);
+
+  // A cache pool for DecodeStep: one slot of block_size rows per sequence.
+  std::unique_ptr<KvCachePool> NewKvCachePool() const;
 
   router::RouterLayer& router(int moe_layer) { return moe_->router(moe_layer); }
   int num_moe_layers() const { return moe_->num_layers(); }
@@ -79,10 +79,15 @@ class TransformerLM : public torch::nn::Module {
 
   TransformerLM(const ModelOptions& options, MoELayers* moe);
   at::Tensor Attention(Block& block, const at::Tensor& x);
-  // The attention core (before the output projection) of one sequence's new
-  // rows, from their q, k, v [n, 3C] at positions cache.length.., against
-  // block `index`'s cached keys and values, which it extends; [n, C].
-  at::Tensor CachedAttention(size_t index, const at::Tensor& qkv, KvCache& cache);
+  // Attention cores (before the output projection) against block `index`'s
+  // keys and values in `pool`, which already hold the new rows. One
+  // sequence's n new queries q [n, C] at positions past..past+n-1; [n, C].
+  at::Tensor CachedAttention(KvCachePool& pool, size_t index, const at::Tensor& q, int slot,
+                             int64_t past);
+  // One new query per sequence, q [S, C], sequence s in slots[s] with
+  // lengths[s] keys (its new one included); [S, C].
+  at::Tensor BatchedCachedAttention(KvCachePool& pool, size_t index, const at::Tensor& q,
+                                    const at::Tensor& slots, const std::vector<int64_t>& lengths);
   absl::StatusOr<at::Tensor> MoeFfn(int moe, const at::Tensor& x, const MoECall& call,
                                     ModelOutput* out);
 

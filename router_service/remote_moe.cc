@@ -149,12 +149,12 @@ absl::Status RemoteMoE::SendAll(ChunkCalls& calls, const RoutingOutput& routing,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<at::Tensor>> RemoteMoE::GroupOutputs(const ChunkCalls& calls) {
+absl::StatusOr<std::vector<at::Tensor>> RemoteMoE::GroupOutputs(ChunkCalls& calls) {
   std::vector<std::vector<at::Tensor>> pieces(groups_.size());
   for (const auto& call : calls) {
     HIMOE_ASSIGN_OR_RETURN(
         at::Tensor y,
-        expert::ConcatExpertRows(call->response.outputs(), call->request.inputs(),
+        expert::ConcatExpertRows(call->response.mutable_outputs(), call->request.inputs(),
                                  options_.shape.d_model(),
                                  absl::StrCat("expert group ", call->group, " outputs")));
     pieces[call->group].push_back(std::move(y));
@@ -162,7 +162,11 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteMoE::GroupOutputs(const ChunkCalls
   std::vector<at::Tensor> outputs(groups_.size());
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     for (size_t g = 0; g < groups_.size(); ++g) {
-      if (!pieces[g].empty()) outputs[g] = at::cat(pieces[g]);
+      if (pieces[g].size() == 1) {
+        outputs[g] = pieces[g][0];
+      } else if (!pieces[g].empty()) {
+        outputs[g] = at::cat(pieces[g]);
+      }
     }
     return absl::OkStatus();
   }));

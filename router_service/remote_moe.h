@@ -84,7 +84,7 @@ class RemoteMoE final : public model::MoELayers {
   absl::Status SendAll(ChunkCalls& calls, const RoutingOutput& routing,
                        expert::ExpertGroupClient::Deadline deadline);
   // Each group's outputs, row-aligned with its dispatch (undefined if none).
-  absl::StatusOr<std::vector<at::Tensor>> GroupOutputs(const ChunkCalls& calls);
+  absl::StatusOr<std::vector<at::Tensor>> GroupOutputs(ChunkCalls& calls);
 
   RemoteMoEOptions options_;
   std::vector<std::unique_ptr<RouterLayer>> routers_;

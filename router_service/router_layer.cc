@@ -235,6 +235,8 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
                  : ReleasedExpertCapacity(c.capacity_factor, c.total_k(), rows, c.num_experts,
                                           /*round_to_even=*/c.method != RoutingMethod::kLossFree);
     };
+    // Dropless without random drops: segments cannot differ, so one pass.
+    if (!random_drop && c.capacity_factor <= 0) bounds.assign(1, tokens);
     // Reported: the capacity of the largest segment.
     const int64_t capacity = capacity_of(*std::max_element(bounds.begin(), bounds.end()));
     std::vector<at::Tensor> kept_parts;

@@ -38,10 +38,45 @@ if [[ "${mode}" == startup ]]; then
     --out "${ROOT}/runs/bench/startup.md" "$@"
 fi
 if [[ "${mode}" == serve ]]; then
-  # serve: RouteForward batching on/off, latency, routing, codec and M
-  # scaling ratios (tests/bench/serve_bench.cc); writes runs/bench/serve.md.
+  # serve: RouteForward batching on/off, latency, routing and codec ratios
+  # (tests/bench/serve_bench.cc), then the MoE layer's cost per token as M
+  # goes 1, 2, 4, 8 (N = 2M, k 1, T 4096 as a loaded router's batches, the
+  # serving model's widths): the router's RemoteMoE to M himoe-expert
+  # processes (max(1, cores / M) threads each) / LocalMoE on every core, from
+  # himoe-bench. Writes runs/bench/serve.md.
   mkdir -p "${ROOT}/runs/bench"
-  exec "${BUILD}/tests/bench/himoe-serve-bench" --out "${ROOT}/runs/bench/serve.md" "$@"
+  table="${ROOT}/runs/bench/serve.md"
+  "${BUILD}/tests/bench/himoe-serve-bench" --out "${table}" "$@"
+  ratios=()
+  for m in 1 2 4 8; do
+    log="$(mktemp)"
+    # OMP_WAIT_POLICY=PASSIVE: this process's idle OpenMP threads spin on
+    # both cores otherwise, and at M 8 the experts' first connections timed
+    # out behind them (2 runs in 3 on 2026-11-25).
+    for try in 1 2; do
+      if OMP_WAIT_POLICY=PASSIVE "${BUILD}/tests/bench/himoe-bench" --num_groups="${m}" --num_experts=$((2 * m)) \
+        --top_k=1 --tokens=4096 --d_model=256 --d_ff=1024 \
+        --benchmark_filter='^(local|remote_fp32)/' --benchmark_min_time=1 \
+        --benchmark_repetitions=3 >"${log}" 2>&1; then
+        break
+      fi
+      echo "bench: himoe-bench M ${m}, try ${try} failed:" >&2
+      tail -3 "${log}" >&2
+      [[ "${try}" == 2 ]] && exit 1
+    done
+    read -r local_tps remote_tps < <(sed -n 's/^tokens\/s: local \([0-9.]*\), remote_fp32 \([0-9.]*\),.*/\1 \2/p' "${log}")
+    threads="$(sed -n 's/.* \([0-9]*\) expert processes x \([0-9]*\) threads.*/\2/p' "${log}")"
+    rm -f "${log}"
+    ratio="$(awk -v l="${local_tps}" -v r="${remote_tps}" 'BEGIN { printf "%.2f", l / r }')"
+    ratios+=("${ratio}")
+    awk -v m="${m}" -v t="${threads}" -v l="${local_tps}" -v r="${remote_tps}" -v q="${ratio}" \
+      'BEGIN { printf "| MoE layer, M %d (N %d, k 1), T 4096, %d expert processes x %d threads: local / remote us per token | %.1f / %.1f | %s |\n", m, 2 * m, m, t, 1e6 / l, 1e6 / r, q }' \
+      | tee -a "${table}"
+  done
+  printf '%s\n' "${ratios[@]}" | sort -g | awk 'NR == 1 { lo = $1 } { hi = $1 }
+    END { printf "| remote / local per token, M 1 to 8: largest / smallest | %.2f / %.2f | %.2f |\n", hi, lo, hi / lo }' \
+    | tee -a "${table}"
+  exit 0
 fi
 if [[ "${mode}" == generate ]]; then
   # generate: Generate's decoding, KV cache vs full recompute and 8 concurrent

@@ -418,7 +418,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
   std::vector<at::Tensor> outputs;
   for (size_t i = 0; i < n; ++i) {
     HIMOE_ASSIGN_OR_RETURN(at::Tensor y, expert::ConcatExpertRows(
-                                             responses[i].outputs(), call.requests[i].inputs(),
+                                             responses[i].mutable_outputs(), call.requests[i].inputs(),
                                              d_model(),
                                              absl::StrCat("expert group ", call.groups[i])));
     outputs.push_back(std::move(y));
@@ -469,7 +469,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
   std::vector<at::Tensor> input_grads;
   for (size_t i = 0; i < n; ++i) {
     HIMOE_ASSIGN_OR_RETURN(at::Tensor g, expert::ConcatExpertRows(
-                                             responses[i].input_grads(),
+                                             responses[i].mutable_input_grads(),
                                              call.requests[i].inputs(), d_model(),
                                              absl::StrCat("expert group ", call.groups[i],
                                                           " grads")));

@@ -3,9 +3,11 @@
 
 #include "common/compute_setup.h"
 
+#include <malloc.h>
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -16,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/linear.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -206,6 +209,43 @@ TEST(ComputeSetupTest, AGivenGemmRateIsKept) {
   EXPECT_TRUE(setup->probes.empty());
   EXPECT_THAT(setup->Summary(), HasSubstr("GEMM rate 123.5 GFLOP/s"));
   EXPECT_THAT(setup->Warnings(), Not(Contains(HasSubstr("BLAS runs on 1 thread"))));
+}
+
+// Freed memory stays in the heap: a block far over glibc's default mmap
+// threshold (128 KiB) comes from the heap, not from a mapping of its own.
+TEST(ComputeSetupTest, TheHeapIsKeptForReuse) {
+  ASSERT_EQ(std::getenv("MALLOC_MMAP_THRESHOLD_"), nullptr);
+  ComputeOptions options;
+  options.threads = 1;
+  options.probe_kernels = false;
+  options.gemm_gflops = -1;
+  auto setup = ConfigureCompute(options);
+  ASSERT_TRUE(setup.ok()) << setup.status();
+  EXPECT_EQ(setup->malloc, "heap kept (mmap from 32 MiB, trim above 256 MiB)");
+  EXPECT_THAT(setup->Summary(), HasSubstr("malloc: heap kept"));
+  const size_t mapped_before = mallinfo2().hblks;
+  void* block = std::malloc(8 << 20);
+  ASSERT_NE(block, nullptr);
+  static_cast<volatile char*>(block)[0] = 1;
+  EXPECT_EQ(mallinfo2().hblks, mapped_before);
+  std::free(block);
+}
+
+// Small products go rowwise exactly when 4 GEMVs measured under 2/3 of the
+// 4-row GEMM, and himoe::Linear follows the choice.
+TEST(ComputeSetupTest, SmallProductsGoRowwiseOnlyWhereMeasuredFaster) {
+  ComputeOptions options;
+  options.threads = 1;
+  options.probe_kernels = false;
+  options.gemm_gflops = -1;
+  auto setup = ConfigureCompute(options);
+  ASSERT_TRUE(setup.ok()) << setup.status();
+  EXPECT_GT(setup->small_gemm_us, 0);
+  EXPECT_GT(setup->small_gemv_us, 0);
+  const bool faster = setup->small_gemv_us < setup->small_gemm_us * 2 / 3;
+  EXPECT_EQ(setup->rowwise_linear_rows, faster ? kRowwiseLinearRowsWhenFaster : 0);
+  EXPECT_EQ(RowwiseLinearRows(), setup->rowwise_linear_rows);
+  EXPECT_THAT(setup->Summary(), HasSubstr(faster ? "rowwise under 8 rows" : "(GEMM)"));
 }
 
 }  // namespace

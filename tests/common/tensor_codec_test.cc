@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <ostream>
 #include <string>
 #include <tuple>
@@ -110,6 +111,15 @@ TEST_P(TensorCodecRoundTripTest, IsBitExact) {
     EXPECT_NE(decoded->data_ptr(),
               static_cast<const void*>(proto.data().data()));
   }
+
+  // TakeTensor gives the same tensor, whether it takes the bytes or (small
+  // payloads) copies them.
+  const absl::StatusOr<at::Tensor> taken = TakeTensor(&proto, "hidden");
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_EQ(taken->scalar_type(), dtype.torch);
+  EXPECT_EQ(taken->sizes(), original.sizes());
+  EXPECT_TRUE(taken->is_contiguous());
+  EXPECT_EQ(RawBytes(*taken), RawBytes(original));
 }
 
 std::string RoundTripName(
@@ -186,6 +196,29 @@ TEST(TensorCodecTest, EncodeRejectsUndefinedAndUnsupportedTensors) {
   EXPECT_THAT(status.message(), HasSubstr("Double"));
 }
 
+TEST(TensorCodecTest, TakeTensorAliasesTheMessageBytesAndOutlivesTheMessage) {
+  torch::manual_seed(7);
+  const at::Tensor original = torch::randn({64, 256});
+  at::Tensor taken;
+  const void* bytes = nullptr;
+  {
+    auto proto = std::make_unique<v1::Tensor>();
+    ASSERT_TRUE(EncodeTensor(original, proto.get()).ok());
+    bytes = proto->data().data();
+    absl::StatusOr<at::Tensor> t = TakeTensor(proto.get(), "outputs");
+    ASSERT_TRUE(t.ok()) << t.status();
+    taken = *t;
+    EXPECT_TRUE(proto->data().empty());
+    EXPECT_THAT(proto->shape(), ElementsAre(64, 256));
+  }
+  // No copy: the tensor's storage is the message's former buffer, still
+  // valid (and writable) after the message is gone.
+  EXPECT_EQ(taken.data_ptr(), bytes);
+  EXPECT_TRUE(torch::equal(taken, original));
+  taken.add_(1);
+  EXPECT_TRUE(torch::allclose(taken, original + 1));
+}
+
 TEST(TensorCodecTest, DefaultFieldNameIsTensor) {
   v1::Tensor proto;
   proto.set_dtype(v1::DTYPE_UNSPECIFIED);
@@ -219,6 +252,20 @@ TEST_P(TensorCodecRejectTest, IsInvalidArgumentNamingTheProblem) {
   EXPECT_EQ(decoded.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(decoded.status().message()), StartsWith("hidden."));
   EXPECT_THAT(decoded.status().message(), HasSubstr(c.message));
+}
+
+TEST_P(TensorCodecRejectTest, TakeTensorRefusesTheSameAndLeavesTheBytes) {
+  const RejectCase& c = GetParam();
+  v1::Tensor proto;
+  proto.set_dtype(c.dtype);
+  for (const int64_t s : c.shape) proto.add_shape(s);
+  proto.set_data(std::string(c.data_bytes, '\x7f'));
+
+  const absl::StatusOr<at::Tensor> taken = TakeTensor(&proto, "hidden");
+  ASSERT_FALSE(taken.ok());
+  EXPECT_EQ(taken.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(taken.status().message(), HasSubstr(c.message));
+  EXPECT_EQ(proto.data(), std::string(c.data_bytes, '\x7f'));
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -2,10 +2,13 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include "common/linear.h"
 
 namespace himoe::expert {
 namespace {
@@ -59,7 +62,21 @@ TEST(ExpertGroupTest, AnExpertIsTheSameWhateverGroupHoldsIt) {
   }
 }
 
-TEST(ExpertGroupTest, ForwardAppliesEachRowsOwnExpert) {
+// Forward through the general path and, with himoe::Linear rowwise, through
+// the few-rows path (fewer than 8 rows: each row its expert's GEMVs).
+class ExpertGroupForwardTest : public ::testing::TestWithParam<int64_t> {
+ protected:
+  void SetUp() override {
+    saved_ = RowwiseLinearRows();
+    SetRowwiseLinearRows(GetParam());
+  }
+  void TearDown() override { SetRowwiseLinearRows(saved_); }
+
+ private:
+  int64_t saved_ = 0;
+};
+
+TEST_P(ExpertGroupForwardTest, AppliesEachRowsOwnExpert) {
   auto group = ExpertGroup::Create(Shape(), 1, 2, kCpu);
   ASSERT_TRUE(group.ok());
   const at::Tensor rows = at::randn({7, 8});
@@ -76,7 +93,38 @@ TEST(ExpertGroupTest, ForwardAppliesEachRowsOwnExpert) {
   }
 }
 
-TEST(ExpertGroupTest, RejectsExpertOutsideGroupAndWrongWidth) {
+// Gradients w.r.t. the rows and the weights, against autograd through the
+// hand-written expert FFN of each row.
+TEST_P(ExpertGroupForwardTest, GradientsMatchEachRowsOwnExpert) {
+  auto group = ExpertGroup::Create(Shape(), 1, 2, kCpu);
+  ASSERT_TRUE(group.ok());
+  const at::Tensor rows = at::randn({5, 8}).requires_grad_(true);
+  const at::Tensor ids = at::tensor({4, 3, 4, 5, 3}, at::kLong);
+  const at::Tensor weights = at::randn({5, 8});
+  auto out = (*group)->Forward(rows, ids);
+  ASSERT_TRUE(out.ok()) << out.status();
+  (*out * weights).sum().backward();
+  std::vector<at::Tensor> p;
+  for (const at::Tensor& t : (*group)->parameters()) {
+    p.push_back(t.detach().clone().requires_grad_(true));
+  }
+  const at::Tensor ref_rows = rows.detach().clone().requires_grad_(true);
+  at::Tensor loss = at::zeros({});
+  for (int64_t r = 0; r < 5; ++r) {
+    const int64_t e = ids[r].item<int64_t>() - 3;
+    const at::Tensor h = at::mv(p[0][e], ref_rows[r]) + p[1][e];
+    const at::Tensor gelu = 0.5 * h * (1 + at::erf(h / std::sqrt(2.0)));
+    loss = loss + ((at::mv(p[2][e], gelu) + p[3][e]) * weights[r]).sum();
+  }
+  loss.backward();
+  EXPECT_TRUE(at::allclose(rows.grad(), ref_rows.grad(), 1e-5, 1e-6));
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_TRUE(at::allclose((*group)->parameters()[i].grad(), p[i].grad(), 1e-5, 1e-6))
+        << (*group)->named_parameters()[i].first;
+  }
+}
+
+TEST_P(ExpertGroupForwardTest, RejectsExpertOutsideGroupAndWrongWidth) {
   auto group = ExpertGroup::Create(Shape(), 1, 2, kCpu);
   ASSERT_TRUE(group.ok());
   auto outside = (*group)->Forward(at::randn({2, 8}), at::tensor({3, 6}, at::kLong));
@@ -88,6 +136,28 @@ TEST(ExpertGroupTest, RejectsExpertOutsideGroupAndWrongWidth) {
   EXPECT_EQ(ExpertGroup::Create(Shape(v1::DTYPE_INT64), 0, 2, kCpu).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
+
+TEST_P(ExpertGroupForwardTest, Bf16GroupComputesInBf16) {
+  auto group = ExpertGroup::Create(Shape(v1::DTYPE_BFLOAT16), 0, 2, kCpu);
+  ASSERT_TRUE(group.ok());
+  EXPECT_EQ((*group)->dtype(), at::kBFloat16);
+  const at::Tensor rows = at::randn({4, 8});
+  auto out = (*group)->Forward(rows, at::tensor({0, 1, 2, 0}, at::kLong));
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ(out->scalar_type(), at::kBFloat16);
+  // Within bf16 rounding of the float32 experts' output.
+  auto f32 = ExpertGroup::Create(Shape(), 0, 2, kCpu);
+  ASSERT_TRUE(f32.ok());
+  auto want = (*f32)->Forward(rows, at::tensor({0, 1, 2, 0}, at::kLong));
+  ASSERT_TRUE(want.ok());
+  EXPECT_TRUE(at::allclose(out->to(at::kFloat), *want, 5e-2, 5e-2));
+}
+
+INSTANTIATE_TEST_SUITE_P(GemmAndRowwise, ExpertGroupForwardTest,
+                         ::testing::Values(int64_t{0}, kRowwiseLinearRowsWhenFaster),
+                         [](const ::testing::TestParamInfo<int64_t>& info) {
+                           return info.param == 0 ? std::string("Gemm") : std::string("Rowwise");
+                         });
 
 TEST(ExpertGroupTest, RejectsAGroupOrLayerOutsideTheShape) {
   const auto message = [](int group_id, int layer) {
@@ -102,15 +172,6 @@ TEST(ExpertGroupTest, RejectsAGroupOrLayerOutsideTheShape) {
   uneven.set_num_experts(7);
   EXPECT_THAT(std::string(ExpertGroup::Create(uneven, 0, 0, kCpu).status().message()),
               HasSubstr("num_experts (N=7) must be a multiple of num_groups (M=2)"));
-}
-
-TEST(ExpertGroupTest, Bf16GroupComputesInBf16) {
-  auto group = ExpertGroup::Create(Shape(v1::DTYPE_BFLOAT16), 0, 2, kCpu);
-  ASSERT_TRUE(group.ok());
-  EXPECT_EQ((*group)->dtype(), at::kBFloat16);
-  auto out = (*group)->Forward(at::randn({4, 8}), at::tensor({0, 1, 2, 0}, at::kLong));
-  ASSERT_TRUE(out.ok());
-  EXPECT_EQ(out->scalar_type(), at::kBFloat16);
 }
 
 TEST(ExpertGroupTest, CudaDeviceWhenAvailable) {

@@ -313,9 +313,11 @@ TEST(GenerateTest, StreamsBeyondTheLimitAreRefusedAndCancelledOnesLeave) {
   ASSERT_NE(g, nullptr);
   absl::Status refused;
   int tokens = 0;
+  int64_t slots_while_decoding = -1;
   const absl::Status cancelled = g->Generate(Params("The ", 50, 1.0, 0, 1), [&](int64_t) {
     if (++tokens == 2) {
       refused = g->Generate(Params("x", 5, 1.0, 0, 2), [](int64_t) { return true; });
+      slots_while_decoding = g->stats().kv_cache_slots;  // as of the end of step 1
     }
     return tokens < 3;
   });
@@ -325,6 +327,9 @@ TEST(GenerateTest, StreamsBeyondTheLimitAreRefusedAndCancelledOnesLeave) {
   EXPECT_EQ(tokens, 3);
   EXPECT_EQ(g->stats().rejected, 1);
   EXPECT_EQ(g->stats().active_streams, 0);
+  // The cancelled stream's KV cache went back to the pool.
+  EXPECT_EQ(slots_while_decoding, 1);
+  EXPECT_EQ(g->stats().kv_cache_slots, 0);
   EXPECT_EQ(Sample(*g, Params("x", 5, 1.0, 0, 2)).size(), 5u);  // serving goes on
 }
 
