@@ -132,7 +132,7 @@ absl::StatusOr<at::Tensor> ExpertGroup::ForwardFewRows(const at::Tensor& rows,
             "expert group ", group_id_, ": expert ids must be in [", first_expert(), ", ",
             first_expert() + experts_per_group(), ")"));
       }
-      // The rows' GEMVs of ExpertFfn (himoe::Linear below kRowwiseLinearRows).
+      // ExpertFfn of one row, as himoe::Linear computes it below RowwiseLinearRows().
       const at::Tensor h = at::gelu(at::addmv(b1_[s], w1_[s], x[i]));
       ys.push_back(at::addmv(b2_[s], w2_[s], h));
     }
