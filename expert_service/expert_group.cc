@@ -100,9 +100,7 @@ absl::StatusOr<at::Tensor> ExpertGroup::Forward(const at::Tensor& rows,
     const int s_count = experts_per_group();
     if (local.numel() > 0 &&
         (local.min().item<int64_t>() < 0 || local.max().item<int64_t>() >= s_count)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "expert group ", group_id_, ": expert ids must be in [",
-          first_expert(), ", ", first_expert() + s_count, ")"));
+      return IdsOutsideGroupError();
     }
     const at::Tensor x = rows.to(device_, dtype_);
     out = at::zeros({rows.size(0), d_model()}, x.options());
@@ -117,6 +115,12 @@ absl::StatusOr<at::Tensor> ExpertGroup::Forward(const at::Tensor& rows,
   return out;
 }
 
+absl::Status ExpertGroup::IdsOutsideGroupError() const {
+  return absl::InvalidArgumentError(absl::StrCat("expert group ", group_id_,
+                                                 ": expert ids must be in [", first_expert(),
+                                                 ", ", first_expert() + experts_per_group(), ")"));
+}
+
 absl::StatusOr<at::Tensor> ExpertGroup::ForwardFewRows(const at::Tensor& rows,
                                                        const at::Tensor& expert_ids) const {
   at::Tensor out;
@@ -127,16 +131,10 @@ absl::StatusOr<at::Tensor> ExpertGroup::ForwardFewRows(const at::Tensor& rows,
     std::vector<at::Tensor> ys;
     for (int64_t i = 0; i < x.size(0); ++i) {
       const int64_t s = id[i] - first_expert();
-      if (s < 0 || s >= experts_per_group()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "expert group ", group_id_, ": expert ids must be in [", first_expert(), ", ",
-            first_expert() + experts_per_group(), ")"));
-      }
-      // ExpertFfn of one row, as himoe::Linear computes it below RowwiseLinearRows().
-      const at::Tensor h = at::gelu(at::addmv(b1_[s], w1_[s], x[i]));
-      ys.push_back(at::addmv(b2_[s], w2_[s], h));
+      if (s < 0 || s >= experts_per_group()) return IdsOutsideGroupError();
+      ys.push_back(ExpertFfn(x.narrow(0, i, 1), w1_[s], b1_[s], w2_[s], b2_[s]));
     }
-    out = at::stack(ys);
+    out = at::cat(ys);
     return absl::OkStatus();
   }));
   return out;

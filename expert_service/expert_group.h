@@ -67,6 +67,8 @@ class ExpertGroup {
   // where the general path spends a dozen per expert.
   absl::StatusOr<at::Tensor> ForwardFewRows(const at::Tensor& rows,
                                             const at::Tensor& expert_ids) const;
+  // InvalidArgument: an expert id outside [first_expert, first_expert + S).
+  absl::Status IdsOutsideGroupError() const;
 
   at::Tensor w1_, b1_, w2_, b2_;
 };

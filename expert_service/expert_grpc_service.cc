@@ -147,10 +147,10 @@ grpc::ServerUnaryReactor* ExpertGrpcService::ServeOnPool(grpc::CallbackServerCon
   const std::chrono::system_clock::time_point deadline = context->deadline();
   return ServeUnary<Request, Response>(
       context, request, response,
-      [this, deadline, compute](const Request& q, Response* r,
+      [this, deadline, compute](Request* q, Response* r,
                                 std::function<void(const absl::Status&)> done) {
         // `done` keeps the request and response alive until it is called.
-        const absl::Status queued = pool_->Submit([&q, r, done, deadline, compute] {
+        const absl::Status queued = pool_->Submit([q, r, done, deadline, compute] {
           if (deadline <= std::chrono::system_clock::now()) {
             done(absl::DeadlineExceededError(
                 "the call's deadline passed while it waited for a compute worker; not "
@@ -177,21 +177,21 @@ grpc::ServerUnaryReactor* ExpertGrpcService::Forward(grpc::CallbackServerContext
                                                      const grpc::ByteBuffer* request,
                                                      grpc::ByteBuffer* response) {
   return ServeOnPool<v1::ExpertForwardRequest, v1::ExpertForwardResponse>(
-      context, request, response, [this](const auto& q, auto* r) { return core_->Forward(q, r); });
+      context, request, response, [this](auto* q, auto* r) { return core_->Forward(q, r); });
 }
 
 grpc::ServerUnaryReactor* ExpertGrpcService::Backward(grpc::CallbackServerContext* context,
                                                       const grpc::ByteBuffer* request,
                                                       grpc::ByteBuffer* response) {
   return ServeOnPool<v1::ExpertBackwardRequest, v1::ExpertBackwardResponse>(
-      context, request, response, [this](const auto& q, auto* r) { return core_->Backward(q, r); });
+      context, request, response, [this](auto* q, auto* r) { return core_->Backward(q, r); });
 }
 
 grpc::ServerUnaryReactor* ExpertGrpcService::Step(grpc::CallbackServerContext* context,
                                                   const grpc::ByteBuffer* request,
                                                   grpc::ByteBuffer* response) {
   return ServeOnPool<v1::ExpertStepRequest, v1::ExpertStepResponse>(
-      context, request, response, [this](const auto& q, auto* r) { return core_->Step(q, r); });
+      context, request, response, [this](auto* q, auto* r) { return core_->Step(*q, r); });
 }
 
 grpc::ServerUnaryReactor* ExpertGrpcService::Abort(grpc::CallbackServerContext* context,
@@ -206,7 +206,7 @@ grpc::ServerUnaryReactor* ExpertGrpcService::BeginRun(grpc::CallbackServerContex
                                                       const grpc::ByteBuffer* request,
                                                       grpc::ByteBuffer* response) {
   return ServeOnPool<v1::BeginRunRequest, v1::BeginRunResponse>(
-      context, request, response, [this](const auto& q, auto* r) { return core_->BeginRun(q, r); });
+      context, request, response, [this](auto* q, auto* r) { return core_->BeginRun(*q, r); });
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ExpertGrpcService::GetState(

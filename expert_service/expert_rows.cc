@@ -19,9 +19,9 @@ bool IsFloatingWireType(c10::ScalarType type) {
 
 // One entry's rows: a floating [n, d_model] tensor (n = expected_rows if >= 0),
 // all finite.
-absl::StatusOr<at::Tensor> DecodeRows(const v1::ExpertRows& entry, const std::string& field,
+absl::StatusOr<at::Tensor> DecodeRows(v1::ExpertRows* entry, const std::string& field,
                                       int64_t d_model, int64_t expected_rows) {
-  HIMOE_ASSIGN_OR_RETURN(at::Tensor x, DecodeTensor(entry.rows(), field + ".rows"));
+  HIMOE_ASSIGN_OR_RETURN(at::Tensor x, TakeTensor(entry->mutable_rows(), field + ".rows"));
   if (!IsFloatingWireType(x.scalar_type())) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ".rows.dtype: ", c10::toString(x.scalar_type()),
@@ -53,13 +53,13 @@ std::string ShapeString(at::IntArrayRef shape) {
 }
 
 absl::StatusOr<std::vector<at::Tensor>> DecodeRequestRows(
-    const ExpertRowsList& entries, absl::string_view name, int64_t d_model,
+    ExpertRowsList* entries, absl::string_view name, int64_t d_model,
     const ExpertIdCheck& check_id, absl::Span<const int64_t> expected_rows) {
-  std::vector<at::Tensor> rows(entries.size());
-  for (int i = 0; i < entries.size(); ++i) {
-    const v1::ExpertRows& entry = entries.Get(i);
+  std::vector<at::Tensor> rows(entries->size());
+  for (int i = 0; i < entries->size(); ++i) {
+    v1::ExpertRows* entry = entries->Mutable(i);
     const std::string field = absl::StrCat(name, "[", i, "]");
-    HIMOE_RETURN_IF_ERROR(check_id(i, field, entry.expert_id()));
+    HIMOE_RETURN_IF_ERROR(check_id(i, field, entry->expert_id()));
     const int64_t n = i < static_cast<int>(expected_rows.size()) ? expected_rows[i] : -1;
     HIMOE_ASSIGN_OR_RETURN(rows[i], DecodeRows(entry, field, d_model, n));
   }

@@ -32,8 +32,9 @@ using ExpertIdCheck =
 // entry: `check_id`, then a floating wire dtype, shape [n, d_model] (n =
 // expected_rows[i] when given, any n otherwise) and finite values. Errors are
 // InvalidArgument naming the field ("inputs[1].rows contains NaN or Inf").
+// Takes the entries' bytes (TakeTensor): the tensors own them, no copy.
 absl::StatusOr<std::vector<at::Tensor>> DecodeRequestRows(
-    const ExpertRowsList& entries, absl::string_view name, int64_t d_model,
+    ExpertRowsList* entries, absl::string_view name, int64_t d_model,
     const ExpertIdCheck& check_id, absl::Span<const int64_t> expected_rows = {});
 
 // Client side. Appends rows [begin, end) of a group's expert-sorted rows to

@@ -100,6 +100,12 @@ int64_t ExpertServiceCore::pending_saved() const { return saved_.size(); }
 
 absl::Status ExpertServiceCore::Forward(const v1::ExpertForwardRequest& request,
                                         v1::ExpertForwardResponse* response) {
+  v1::ExpertForwardRequest copy = request;
+  return Forward(&copy, response);
+}
+
+absl::Status ExpertServiceCore::Forward(v1::ExpertForwardRequest* request,
+                                        v1::ExpertForwardResponse* response) {
   forward_requests_.fetch_add(1, std::memory_order_relaxed);
   in_flight_.fetch_add(1, std::memory_order_relaxed);
   const auto start = std::chrono::steady_clock::now();
@@ -143,8 +149,9 @@ absl::Status ExpertServiceCore::CheckForwardRequest(
   return absl::OkStatus();
 }
 
-absl::Status ExpertServiceCore::ForwardImpl(const v1::ExpertForwardRequest& request,
+absl::Status ExpertServiceCore::ForwardImpl(v1::ExpertForwardRequest* request_ptr,
                                             v1::ExpertForwardResponse* response) {
+  const v1::ExpertForwardRequest& request = *request_ptr;
   response->Clear();
   saved_.SweepExpired();
   for (const v1::ExpertRows& in : request.inputs()) {
@@ -156,7 +163,7 @@ absl::Status ExpertServiceCore::ForwardImpl(const v1::ExpertForwardRequest& requ
   const int end = first + experts_per_group_;
   HIMOE_ASSIGN_OR_RETURN(
       const std::vector<at::Tensor> rows,
-      DecodeRequestRows(request.inputs(), "inputs", options_.shape.d_model(),
+      DecodeRequestRows(request_ptr->mutable_inputs(), "inputs", options_.shape.d_model(),
                         [&](int, const std::string& field, int32_t id) -> absl::Status {
                           if (id >= first && id < end) return absl::OkStatus();
                           return absl::InvalidArgumentError(absl::StrCat(
@@ -242,6 +249,13 @@ absl::Status ExpertServiceCore::ComputeForward(const v1::ExpertForwardRequest& r
 
 absl::Status ExpertServiceCore::Backward(const v1::ExpertBackwardRequest& request,
                                          v1::ExpertBackwardResponse* response) {
+  v1::ExpertBackwardRequest copy = request;
+  return Backward(&copy, response);
+}
+
+absl::Status ExpertServiceCore::Backward(v1::ExpertBackwardRequest* request_ptr,
+                                         v1::ExpertBackwardResponse* response) {
+  const v1::ExpertBackwardRequest& request = *request_ptr;
   response->Clear();
   const SavedKey key{request.step(), request.micro_batch(), request.layer(),
                      request.request_id()};
@@ -254,15 +268,15 @@ absl::Status ExpertServiceCore::Backward(const v1::ExpertBackwardRequest& reques
   }
   HIMOE_ASSIGN_OR_RETURN(SavedForward saved, saved_.Take(key));
   // `saved` (and its graph) is freed on every path out of here.
-  absl::Status status = BackwardImpl(key, saved, request, response);
+  absl::Status status = BackwardImpl(key, saved, request_ptr, response);
   if (!status.ok()) response->Clear();
   return status;
 }
 
 absl::Status ExpertServiceCore::BackwardImpl(const SavedKey& key, SavedForward& saved,
-                                             const v1::ExpertBackwardRequest& request,
+                                             v1::ExpertBackwardRequest* request,
                                              v1::ExpertBackwardResponse* response) {
-  const int n = request.output_grads_size();
+  const int n = request->output_grads_size();
   if (n != static_cast<int>(saved.expert_ids.size())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "output_grads: ", n, " entries; the saved Forward ", key.DebugString(), " has ",
@@ -271,7 +285,7 @@ absl::Status ExpertServiceCore::BackwardImpl(const SavedKey& key, SavedForward& 
   HIMOE_ASSIGN_OR_RETURN(
       const std::vector<at::Tensor> grads,
       DecodeRequestRows(
-          request.output_grads(), "output_grads", options_.shape.d_model(),
+          request->mutable_output_grads(), "output_grads", options_.shape.d_model(),
           [&](int i, const std::string& field, int32_t id) -> absl::Status {
             if (id == saved.expert_ids[i]) return absl::OkStatus();
             return absl::InvalidArgumentError(

@@ -84,6 +84,10 @@ class ExpertServiceCore {
   // group dtype) and the graph is kept under (step, micro_batch, layer,
   // request_id) until Backward, Abort or the TTL; a key in use is
   // ALREADY_EXISTS.
+  // Takes the bytes of the request's rows (no copy); the form the gRPC
+  // service calls with the request it owns.
+  absl::Status Forward(v1::ExpertForwardRequest* request, v1::ExpertForwardResponse* response);
+  // As above, on a copy of `request`.
   absl::Status Forward(const v1::ExpertForwardRequest& request,
                        v1::ExpertForwardResponse* response);
   // Consumes the saved Forward (NOT_FOUND if there is none; another run's
@@ -92,6 +96,9 @@ class ExpertServiceCore {
   // the input grads in the dtype of each output grad. FAILED_PRECONDITION if
   // a Step or SetState changed the weights since that Forward. The saved
   // state is freed whether or not the backward succeeds.
+  // Takes the bytes of the request's output grads, like Forward.
+  absl::Status Backward(v1::ExpertBackwardRequest* request,
+                        v1::ExpertBackwardResponse* response);
   absl::Status Backward(const v1::ExpertBackwardRequest& request,
                         v1::ExpertBackwardResponse* response);
   // norm_only: reports the squared grad norm. Otherwise an ExpertOptimizer
@@ -143,7 +150,7 @@ class ExpertServiceCore {
 
   // The request's layer and size limits, before anything is decoded.
   absl::Status CheckForwardRequest(const v1::ExpertForwardRequest& request) const;
-  absl::Status ForwardImpl(const v1::ExpertForwardRequest& request,
+  absl::Status ForwardImpl(v1::ExpertForwardRequest* request,
                            v1::ExpertForwardResponse* response);
   // Runs the layer's group on the decoded rows and encodes the outputs; with
   // `saved`, keeps the graph there.
@@ -151,7 +158,7 @@ class ExpertServiceCore {
                               const std::vector<at::Tensor>& rows, SavedForward* saved,
                               v1::ExpertForwardResponse* response);
   absl::Status BackwardImpl(const SavedKey& key, SavedForward& saved,
-                            const v1::ExpertBackwardRequest& request,
+                            v1::ExpertBackwardRequest* request,
                             v1::ExpertBackwardResponse* response);
   // dL/d(input) of a saved Forward; accumulates the parameter grads.
   absl::StatusOr<at::Tensor> RunBackward(const SavedKey& key, SavedForward& saved,

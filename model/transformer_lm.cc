@@ -130,9 +130,8 @@ at::Tensor TransformerLM::CachedAttention(KvCachePool& pool, size_t index, const
 
 at::Tensor TransformerLM::BatchedCachedAttention(KvCachePool& pool, size_t index,
                                                  const at::Tensor& q, const at::Tensor& slots,
-                                                 const std::vector<int64_t>& lengths) {
+                                                 int64_t keys, const at::Tensor& key_mask) {
   const int64_t S = q.size(0), C = options_.d_model, H = options_.n_head;
-  const int64_t keys = *std::max_element(lengths.begin(), lengths.end());
   const auto gather = [&](at::Tensor& pooled) {  // [S, H, keys, C/H]
     return pooled.narrow(1, 0, keys).index_select(0, slots).view({S, keys, H, C / H}).transpose(1, 2);
   };
@@ -140,12 +139,7 @@ at::Tensor TransformerLM::BatchedCachedAttention(KvCachePool& pool, size_t index
   const at::Tensor v = gather(pool.values(index));
   at::Tensor att = at::matmul(q.view({S, H, 1, C / H}), k.transpose(-2, -1)) /
                    std::sqrt(static_cast<double>(C / H));  // [S, H, 1, keys]
-  if (std::any_of(lengths.begin(), lengths.end(), [&](int64_t l) { return l != keys; })) {
-    // Keys past a sequence's length (another sequence's, or none) get weight 0.
-    const at::Tensor length = at::tensor(lengths, at::kLong).to(q.device()).view({S, 1, 1, 1});
-    const at::Tensor mask = at::arange(keys, length.options()).view({1, 1, 1, keys}) >= length;
-    att = att.masked_fill(mask, -std::numeric_limits<float>::infinity());
-  }
+  if (key_mask.defined()) att = att.masked_fill(key_mask, -std::numeric_limits<float>::infinity());
   att = at::softmax(att, -1);
   return at::matmul(att, v).view({S, C});  // [S, H, 1, C/H] -> [S, C]
 }
@@ -218,6 +212,20 @@ absl::StatusOr<at::Tensor> TransformerLM::DecodeStep(
                      single_slot_t = on_device(single_slots), fresh_t = on_device(fresh);
     at::Tensor x = wte_->forward(id_t) + wpe_->forward(position_t);  // [R, C]
     pool->Reserve(max_slot + 1, max_rows, x.options());
+    // The one-token sequences attend to their longest length's keys; those
+    // past a sequence's own length (another sequence's, or none) get weight 0.
+    int64_t single_keys = 0;
+    at::Tensor single_mask;
+    if (!single_lengths.empty()) {
+      single_keys = *std::max_element(single_lengths.begin(), single_lengths.end());
+      if (std::any_of(single_lengths.begin(), single_lengths.end(),
+                      [&](int64_t l) { return l != single_keys; })) {
+        const at::Tensor length =
+            on_device(single_lengths).view({static_cast<int64_t>(single_lengths.size()), 1, 1, 1});
+        single_mask =
+            at::arange(single_keys, length.options()).view({1, 1, 1, single_keys}) >= length;
+      }
+    }
     for (size_t i = 0; i < blocks_.size(); ++i) {
       Block& b = blocks_[i];
       const auto qkv = Linear(b.ln1->forward(x), b.qkv->weight, b.qkv->bias)
@@ -232,13 +240,14 @@ absl::StatusOr<at::Tensor> TransformerLM::DecodeStep(
       pool->values(i).index_put_({slot_t, position_t}, qkv[2]);
       at::Tensor attended;
       if (multi.empty()) {
-        attended = BatchedCachedAttention(*pool, i, qkv[0], single_slot_t, single_lengths);
+        attended =
+            BatchedCachedAttention(*pool, i, qkv[0], single_slot_t, single_keys, single_mask);
       } else {
         attended = at::empty({rows, options_.d_model}, x.options());
         if (!single_rows.empty()) {
           attended.index_copy_(0, single_row_t,
                                BatchedCachedAttention(*pool, i, qkv[0].index_select(0, single_row_t),
-                                                      single_slot_t, single_lengths));
+                                                      single_slot_t, single_keys, single_mask));
         }
         for (const size_t s : multi) {
           const int64_t first = last[s] - call.segments[s] + 1;

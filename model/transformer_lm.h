@@ -84,10 +84,12 @@ class TransformerLM : public torch::nn::Module {
   // sequence's n new queries q [n, C] at positions past..past+n-1; [n, C].
   at::Tensor CachedAttention(KvCachePool& pool, size_t index, const at::Tensor& q, int slot,
                              int64_t past);
-  // One new query per sequence, q [S, C], sequence s in slots[s] with
-  // lengths[s] keys (its new one included); [S, C].
+  // One new query per sequence, q [S, C], sequence s in slots[s], against the
+  // first `keys` keys (its new one included), minus those where key_mask
+  // [S, 1, 1, keys] is true (undefined: none); [S, C].
   at::Tensor BatchedCachedAttention(KvCachePool& pool, size_t index, const at::Tensor& q,
-                                    const at::Tensor& slots, const std::vector<int64_t>& lengths);
+                                    const at::Tensor& slots, int64_t keys,
+                                    const at::Tensor& key_mask);
   absl::StatusOr<at::Tensor> MoeFfn(int moe, const at::Tensor& x, const MoECall& call,
                                     ModelOutput* out);
 

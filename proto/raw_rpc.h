@@ -54,14 +54,15 @@ Reactor* RejectStream(const grpc::Status& status) {
 // Serves a unary RPC registered raw: parses the request (ParseRaw), then
 // `handle(request, response, done)` runs; `done(status)` may be called from
 // any thread, once: it serializes the response when the status is OK and
-// finishes the call. A call whose deadline passed before it got here is not
-// handled.
+// finishes the call. The request is the call's own until `done`, so the
+// handler may take its bytes (TakeTensor). A call whose deadline passed
+// before it got here is not handled.
 template <class Request, class Response>
 grpc::ServerUnaryReactor* ServeUnary(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
     grpc::ByteBuffer* raw_response,
-    const std::function<void(const Request&, Response*,
-                             std::function<void(const absl::Status&)>)>& handle) {
+    const std::function<void(Request*, Response*, std::function<void(const absl::Status&)>)>&
+        handle) {
   struct Call {
     Request request;
     Response response;
@@ -77,7 +78,7 @@ grpc::ServerUnaryReactor* ServeUnary(
                                  "the call's deadline passed before it was served; not computed"));
     return reactor;
   }
-  handle(call->request, &call->response, [call, reactor, raw_response](const absl::Status& s) {
+  handle(&call->request, &call->response, [call, reactor, raw_response](const absl::Status& s) {
     grpc::Status status = ToGrpcStatus(s);
     if (status.ok()) status = SerializeRaw(call->response, raw_response);
     reactor->Finish(status);
@@ -92,9 +93,9 @@ grpc::ServerUnaryReactor* ServeUnarySync(grpc::CallbackServerContext* context,
                                          grpc::ByteBuffer* raw_response, Handle handle) {
   return ServeUnary<Request, Response>(
       context, raw_request, raw_response,
-      [&handle](const Request& request, Response* response,
+      [&handle](Request* request, Response* response,
                 std::function<void(const absl::Status&)> done) {
-        done(handle(request, response));
+        done(handle(std::as_const(*request), response));
       });
 }
 

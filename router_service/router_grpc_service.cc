@@ -149,9 +149,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
 
 }  // namespace
 
-absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
-                                        int64_t d_model, int64_t max_tokens) {
-  HIMOE_ASSIGN_OR_RETURN(at::Tensor x, DecodeTensor(request.hidden(), "hidden"));
+absl::StatusOr<at::Tensor> DecodeHidden(v1::RouteForwardRequest* request, int64_t d_model,
+                                        int64_t max_tokens) {
+  HIMOE_ASSIGN_OR_RETURN(at::Tensor x, TakeTensor(request->mutable_hidden(), "hidden"));
   if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) {
     return absl::InvalidArgumentError(absl::StrCat(
         "hidden.dtype: expected FLOAT32 or BFLOAT16, got ", c10::toString(x.scalar_type())));
@@ -225,7 +225,7 @@ grpc::ServerUnaryReactor* RouterGrpcService::RouteForward(grpc::CallbackServerCo
                                                           grpc::ByteBuffer* response) {
   return ServeUnary<v1::RouteForwardRequest, v1::RouteForwardResponse>(
       context, request, response,
-      [this, context](const v1::RouteForwardRequest& q, v1::RouteForwardResponse* r,
+      [this, context](v1::RouteForwardRequest* q, v1::RouteForwardResponse* r,
                       std::function<void(const absl::Status&)> done) {
         // The whole request (queue, routing, every group call) is bounded by
         // the groups' deadline, or the client's if that comes first.
@@ -235,7 +235,7 @@ grpc::ServerUnaryReactor* RouterGrpcService::RouteForward(grpc::CallbackServerCo
       });
 }
 
-void RouterGrpcService::Route(const v1::RouteForwardRequest& request,
+void RouterGrpcService::Route(v1::RouteForwardRequest* request,
                               v1::RouteForwardResponse* response, Batcher::Deadline deadline,
                               std::function<void(const absl::Status&)> done) {
   const auto start = std::chrono::steady_clock::now();
@@ -248,7 +248,7 @@ void RouterGrpcService::Route(const v1::RouteForwardRequest& request,
     }
     done(status);
   };
-  const int layer = request.layer();
+  const int layer = request->layer();
   if (layer < 0 || layer >= moe_->num_layers()) {
     finish(absl::InvalidArgumentError(absl::StrCat(
         "layer: ", layer, " is not served; layers are [0, ", moe_->num_layers(), ")")));
@@ -260,7 +260,7 @@ void RouterGrpcService::Route(const v1::RouteForwardRequest& request,
     return;
   }
   const c10::ScalarType reply_dtype = x->scalar_type();
-  const bool routing = request.return_routing();
+  const bool routing = request->return_routing();
   batcher_->Submit(layer, x->to(at::kFloat), [=](absl::StatusOr<LayerResult> result) {
     absl::Status status = result.status();
     if (status.ok()) {

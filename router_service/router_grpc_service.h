@@ -48,9 +48,9 @@ struct RouterServerOptions {
 
 // The hidden rows of a RouteForward request, as float32 or bfloat16
 // [T, d_model] with 1 <= T <= max_tokens, all finite; INVALID_ARGUMENT naming
-// the field otherwise.
-absl::StatusOr<at::Tensor> DecodeHidden(const v1::RouteForwardRequest& request,
-                                        int64_t d_model, int64_t max_tokens);
+// the field otherwise. Takes the bytes of request->hidden (no copy).
+absl::StatusOr<at::Tensor> DecodeHidden(v1::RouteForwardRequest* request, int64_t d_model,
+                                        int64_t max_tokens);
 
 // The RouterService adapter: decode and validate, batch, route and dispatch
 // through RemoteMoE, encode.
@@ -89,7 +89,7 @@ class RouterGrpcService final
   absl::Status FillInfo(v1::RouterInfoResponse* response) const;
   // Validates, batches, and calls `done` once (from the batcher's thread
   // when the request was valid).
-  void Route(const v1::RouteForwardRequest& request, v1::RouteForwardResponse* response,
+  void Route(v1::RouteForwardRequest* request, v1::RouteForwardResponse* response,
              Batcher::Deadline deadline, std::function<void(const absl::Status&)> done);
 
   RemoteMoE* moe_;

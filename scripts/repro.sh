@@ -5,7 +5,7 @@
 # scripts/repro_report.py into <out>/results.md, results.csv, runs.csv and
 # plots/.
 #
-#   bash scripts/repro.sh                 # full: 11 rows x 3 seeds (about 3 hours on 2 cores)
+#   bash scripts/repro.sh                 # full: 14 rows x 3 seeds (about 3 hours on 2 cores)
 #   bash scripts/repro.sh --quick         # seed 1337; vanilla, moge, himoe, himoe+controller (~25 min)
 #   bash scripts/repro.sh --smoke         # every row, 1 seed, 2 steps (what CI runs)
 #   options: --out DIR (default runs/repro)  --jobs N (default 2)
@@ -44,6 +44,9 @@ ROWS=(
   "himoe|--method himoe --target_expert_cv 0"
   "himoe-reference|--method himoe --preset reference --target_expert_cv 0"
   "moge-reference|--method moge --preset reference"
+  "vanilla-reference|--method vanilla --preset reference"
+  "st_moe-reference|--method st_moe --preset reference"
+  "loss_free-reference|--method loss_free --preset reference"
   "himoe+controller|--method himoe --target_expert_cv 0.1"
   "moge+bias_corr|--method himoe --lambda_intra 0 --lambda_inter 0 --target_expert_cv 0"
   "moge+R_intra|--method himoe --tau 0 --lambda_inter 0 --target_expert_cv 0"

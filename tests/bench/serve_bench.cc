@@ -257,9 +257,9 @@ absl::Status Run() {
                           1e3 * Median(grouped), 1e3 * Median(flat), Median(grouped) / Median(flat));
   }
 
-  // 4: the tensor codec against memcpy. A client owns its responses, so it
-  // decodes by taking their bytes (TakeTensor); a service decodes its const
-  // request by copying (DecodeTensor).
+  // 4: the tensor codec against memcpy. Clients and services own the
+  // messages they decode, so both take their bytes (TakeTensor); the copying
+  // decode (DecodeTensor, for const messages) is shown beside it.
   {
     const at::Tensor x = at::randn({4096, 256});
     std::vector<char> copy(x.nbytes());
@@ -285,9 +285,9 @@ absl::Status Run() {
     }
     absl::StrAppendFormat(
         &table,
-        "| tensor codec encode + decode taking the bytes (client side) / memcpy, 4 MiB, ms | "
-        "%.3f / %.3f | %.2f |\n"
-        "| tensor codec encode + decode copying (service side) / memcpy, 4 MiB, ms | "
+        "| tensor codec encode + decode taking the bytes (clients and services) / memcpy, 4 "
+        "MiB, ms | %.3f / %.3f | %.2f |\n"
+        "| tensor codec encode + decode copying (a const message) / memcpy, 4 MiB, ms | "
         "%.3f / %.3f | %.2f |\n",
         1e3 * Median(taking), 1e3 * Median(memcpy_s), Median(taking) / Median(memcpy_s),
         1e3 * Median(copying), 1e3 * Median(memcpy_s), Median(copying) / Median(memcpy_s));

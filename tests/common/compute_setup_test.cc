@@ -211,15 +211,20 @@ TEST(ComputeSetupTest, AGivenGemmRateIsKept) {
   EXPECT_THAT(setup->Warnings(), Not(Contains(HasSubstr("BLAS runs on 1 thread"))));
 }
 
-// Freed memory stays in the heap: a block far over glibc's default mmap
-// threshold (128 KiB) comes from the heap, not from a mapping of its own.
-TEST(ComputeSetupTest, TheHeapIsKeptForReuse) {
-  ASSERT_EQ(std::getenv("MALLOC_MMAP_THRESHOLD_"), nullptr);
+// One compute thread, no kernel probe and no GEMM-rate probe.
+ComputeOptions OneThreadWithoutProbes() {
   ComputeOptions options;
   options.threads = 1;
   options.probe_kernels = false;
   options.gemm_gflops = -1;
-  auto setup = ConfigureCompute(options);
+  return options;
+}
+
+// Freed memory stays in the heap: a block far over glibc's default mmap
+// threshold (128 KiB) comes from the heap, not from a mapping of its own.
+TEST(ComputeSetupTest, TheHeapIsKeptForReuse) {
+  ASSERT_EQ(std::getenv("MALLOC_MMAP_THRESHOLD_"), nullptr);
+  auto setup = ConfigureCompute(OneThreadWithoutProbes());
   ASSERT_TRUE(setup.ok()) << setup.status();
   EXPECT_EQ(setup->malloc, "heap kept (mmap from 32 MiB, trim above 256 MiB)");
   EXPECT_THAT(setup->Summary(), HasSubstr("malloc: heap kept"));
@@ -234,11 +239,7 @@ TEST(ComputeSetupTest, TheHeapIsKeptForReuse) {
 // Small products go rowwise exactly when 4 GEMVs measured under 2/3 of the
 // 4-row GEMM, and himoe::Linear follows the choice.
 TEST(ComputeSetupTest, SmallProductsGoRowwiseOnlyWhereMeasuredFaster) {
-  ComputeOptions options;
-  options.threads = 1;
-  options.probe_kernels = false;
-  options.gemm_gflops = -1;
-  auto setup = ConfigureCompute(options);
+  auto setup = ConfigureCompute(OneThreadWithoutProbes());
   ASSERT_TRUE(setup.ok()) << setup.status();
   EXPECT_GT(setup->small_gemm_us, 0);
   EXPECT_GT(setup->small_gemv_us, 0);

@@ -238,14 +238,20 @@ struct RejectCase {
 
 void PrintTo(const RejectCase& c, std::ostream* os) { *os << c.name; }
 
-class TensorCodecRejectTest : public ::testing::TestWithParam<RejectCase> {};
+class TensorCodecRejectTest : public ::testing::TestWithParam<RejectCase> {
+ protected:
+  static v1::Tensor Message(const RejectCase& c) {
+    v1::Tensor proto;
+    proto.set_dtype(c.dtype);
+    for (const int64_t s : c.shape) proto.add_shape(s);
+    proto.set_data(std::string(c.data_bytes, '\x7f'));
+    return proto;
+  }
+};
 
 TEST_P(TensorCodecRejectTest, IsInvalidArgumentNamingTheProblem) {
   const RejectCase& c = GetParam();
-  v1::Tensor proto;
-  proto.set_dtype(c.dtype);
-  for (const int64_t s : c.shape) proto.add_shape(s);
-  proto.set_data(std::string(c.data_bytes, '\x7f'));
+  const v1::Tensor proto = Message(c);
 
   const absl::StatusOr<at::Tensor> decoded = DecodeTensor(proto, "hidden");
   ASSERT_FALSE(decoded.ok());
@@ -256,10 +262,7 @@ TEST_P(TensorCodecRejectTest, IsInvalidArgumentNamingTheProblem) {
 
 TEST_P(TensorCodecRejectTest, TakeTensorRefusesTheSameAndLeavesTheBytes) {
   const RejectCase& c = GetParam();
-  v1::Tensor proto;
-  proto.set_dtype(c.dtype);
-  for (const int64_t s : c.shape) proto.add_shape(s);
-  proto.set_data(std::string(c.data_bytes, '\x7f'));
+  v1::Tensor proto = Message(c);
 
   const absl::StatusOr<at::Tensor> taken = TakeTensor(&proto, "hidden");
   ASSERT_FALSE(taken.ok());

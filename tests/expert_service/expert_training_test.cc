@@ -420,6 +420,43 @@ TEST(ExpertTrainingCoreTest, BackwardMatchesLocalAutograd) {
   EXPECT_NEAR(CoreGradNormSquared(core.get()), want_norm, 1e-6 * want_norm);
 }
 
+// The forms the gRPC service calls take the rows' bytes instead of copying
+// them (TakeTensor): the request's payloads are empty afterwards, and the
+// saved Forward, which held them, still differentiates after the request is
+// gone.
+TEST(ExpertTrainingCoreTest, TheServedFormsTakeTheRowBytes) {
+  auto core = MakeCore();
+  const Key key{/*step=*/1, /*micro_batch=*/0, /*layer=*/1, /*request_id=*/4};
+  const Inputs inputs = RandomInputs({{3, 16}, {2, 9}});
+  const std::vector<at::Tensor> grads = RandomGrads(inputs);
+  const auto local = LocalGroup(1);
+  const std::vector<at::Tensor> want = LocalForwardBackward(*local, inputs, grads);
+
+  v1::ExpertForwardResponse forward;
+  {
+    auto request = std::make_unique<v1::ExpertForwardRequest>(ForwardRequest(key, inputs));
+    ASSERT_TRUE(core->Forward(request.get(), &forward).ok());
+    for (const v1::ExpertRows& in : request->inputs()) EXPECT_TRUE(in.rows().data().empty());
+  }
+  ASSERT_EQ(forward.outputs_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    auto y = local->Forward(inputs[i].second,
+                            at::full({inputs[i].second.size(0)}, inputs[i].first, at::kLong));
+    ASSERT_TRUE(y.ok()) << y.status();
+    EXPECT_LE(MaxAbsDiff(Decode(forward.outputs(i).rows()), *y), 1e-6) << i;
+  }
+  v1::ExpertBackwardRequest backward_request = BackwardRequest(key, inputs, grads);
+  v1::ExpertBackwardResponse backward;
+  ASSERT_TRUE(core->Backward(&backward_request, &backward).ok());
+  for (const v1::ExpertRows& g : backward_request.output_grads()) {
+    EXPECT_TRUE(g.rows().data().empty());
+  }
+  ASSERT_EQ(backward.input_grads_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_LE(MaxAbsDiff(Decode(backward.input_grads(i).rows()), want[i]), 1e-6) << i;
+  }
+}
+
 TEST(ExpertTrainingCoreTest, Bf16OutputGradsGiveBf16InputGrads) {
   auto core = MakeCore();
   const Key key{1, 0, 0, 0};

@@ -37,7 +37,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
   request.set_save_for_backward(false);  // no state kept between inputs
   himoe::v1::ExpertForwardResponse response;
-  if (!Core()->Forward(request, &response).ok()) return 0;
+  if (!Core()->Forward(&request, &response).ok()) return 0;  // the served, taking form
   if (response.outputs_size() != request.inputs_size()) std::abort();
   for (int i = 0; i < request.inputs_size(); ++i) {
     if (response.outputs(i).rows().shape(0) != request.inputs(i).rows().shape(0)) std::abort();

@@ -15,7 +15,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   himoe::v1::RouteForwardRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
   constexpr int64_t kDModel = 8, kMaxTokens = 64;
-  auto hidden = himoe::router::DecodeHidden(request, kDModel, kMaxTokens);
+  auto hidden = himoe::router::DecodeHidden(&request, kDModel, kMaxTokens);
   if (!hidden.ok()) {
     if (!absl::IsInvalidArgument(hidden.status())) std::abort();
     return 0;
