@@ -10,6 +10,8 @@
 #   bash scripts/repro.sh --smoke         # every row, 1 seed, 2 steps (what CI runs)
 #   options: --out DIR (default runs/repro)  --jobs N (default 2)
 #            --rows a,b,...  --seeds s1,s2,...
+#            --report_only (start no run: redraw the report from the finished
+#            runs, listing the others as missing)
 #
 # Each run is one single-threaded himoe-trainer (--threads 1) in
 # <out>/runs/<row>/seed<seed>/ (metrics.jsonl, train.log, args); --jobs of
@@ -61,6 +63,7 @@ die() { echo "repro.sh: $*" >&2; exit 2; }
 
 # --- Command line ---------------------------------------------------------------------
 MODE=full
+REPORT_ONLY=0
 OUT="${ROOT}/runs/repro"
 JOBS=2
 ROWS_ARG=""
@@ -69,6 +72,7 @@ while (($#)); do
   case "$1" in
     --quick) MODE=quick ;;
     --smoke) MODE=smoke ;;
+    --report_only) REPORT_ONLY=1 ;;
     --full) MODE=full ;;
     --out) (($# >= 2)) || die "--out needs a directory"; OUT="$2"; shift ;;
     --out=*) OUT="${1#*=}" ;;
@@ -153,6 +157,7 @@ for label in "${LABELS[@]}"; do
     fi
   done
 done
+((REPORT_ONLY)) && TODO=()
 total=$((${#LABELS[@]} * ${#SEED_LIST[@]}))
 echo "repro.sh: ${MODE} study, ${#LABELS[@]} rows x ${#SEED_LIST[@]} seeds (${SEEDS}), ${STEPS} steps;" \
   "${kept} of ${total} runs already finished, ${#TODO[@]} to run, ${JOBS} at a time -> ${OUT}"
