@@ -143,6 +143,9 @@ v1::RoutingSettings RoutingSettingsToProto(const router::RoutingConfig& c) {
   s.set_sigmoid_scores(c.sigmoid_scores);
   s.set_target_expert_cv(c.target_expert_cv);
   s.set_balance_rate(c.balance_rate);
+  s.set_epsilon_ov(c.epsilon_ov);
+  s.set_epsilon_sys(c.epsilon_sys);
+  s.set_dual_rate(c.dual_rate);
   return s;
 }
 
@@ -179,6 +182,9 @@ absl::StatusOr<router::RoutingConfig> RoutingConfigFromProto(const v1::RoutingSe
   c.sigmoid_scores = s.sigmoid_scores();
   c.target_expert_cv = s.target_expert_cv();
   c.balance_rate = s.balance_rate();
+  c.epsilon_ov = s.epsilon_ov();
+  c.epsilon_sys = s.epsilon_sys();
+  c.dual_rate = s.dual_rate();
   HIMOE_RETURN_IF_ERROR(router::ValidateRoutingConfig(c));
   return c;
 }
@@ -238,6 +244,9 @@ absl::StatusOr<router::RoutingConfig> RoutingConfigFromCluster(const v1::Cluster
   c.target_expert_cv = r.has_target_expert_cv() ? r.target_expert_cv()
                                                 : router::DefaultTargetExpertCv(c.method);
   if (r.has_balance_rate()) c.balance_rate = r.balance_rate();
+  c.epsilon_ov = r.has_epsilon_ov() ? r.epsilon_ov() : router::DefaultEpsilonOv(c.method);
+  c.epsilon_sys = r.has_epsilon_sys() ? r.epsilon_sys() : router::DefaultEpsilonSys(c.method);
+  if (r.has_dual_rate()) c.dual_rate = r.dual_rate();
   HIMOE_RETURN_IF_ERROR(router::ValidateRoutingConfig(c));
   return c;
 }

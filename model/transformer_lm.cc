@@ -83,6 +83,8 @@ absl::StatusOr<std::shared_ptr<TransformerLM>> TransformerLM::Create(const Model
       model->register_buffer(p + "balance_upper", r.balance().upper);
       model->register_buffer(p + "balance_lower", r.balance().lower);
       model->register_buffer(p + "balance_multiplier", r.balance().loss_multiplier);
+      model->register_buffer(p + "lambda_intra", r.lambda_intra());
+      model->register_buffer(p + "lambda_inter", r.lambda_inter());
       model->register_buffer(p + "route_calls", r.route_calls());
       if (r.router_scale().defined()) model->register_parameter(p + "router_scale", r.router_scale());
     }

@@ -98,6 +98,8 @@ RoutingStats MergeRoutingStats(const RoutingConfig& c,
     assignments += b.tokens * c.total_k();
     s.balance_bias = b.balance_bias;
     s.balance_multiplier = b.balance_multiplier;
+    s.lambda_intra = b.lambda_intra;
+    s.lambda_inter = b.lambda_inter;
   }
   FillCountStats(c, s);
   s.drop_rate = assignments > 0 ? static_cast<double>(s.dropped) / assignments : 0.0;
@@ -114,6 +116,9 @@ RouterLayer::RouterLayer(const RoutingConfig& config, int64_t d_model,
   balance_.upper = at::zeros({config_.num_experts}, opts);
   balance_.lower = at::zeros({config_.num_experts}, opts);
   balance_.loss_multiplier = at::zeros({1}, opts);
+  // Dual variables start at 0, the config's value is their upper bound.
+  lambda_intra_ = at::full({1}, config_.epsilon_ov > 0 ? 0.0 : config_.lambda_intra, opts);
+  lambda_inter_ = at::full({1}, config_.epsilon_sys > 0 ? 0.0 : config_.lambda_inter, opts);
   route_calls_ = at::zeros({1}, opts.dtype(at::kLong));
   if (config_.router_scale && IsGrouped(config_.method)) {
     // [1, N] as in the released code, whose optimizer decays every matrix.
@@ -268,13 +273,34 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
     } else if (c.method != RoutingMethod::kLossFree) {
       losses.load = LoadBalancingLoss(load_probs, sel.ids, c.alpha);
     }
+    double lambda_intra = 0, lambda_inter = 0;
     if (c.method == RoutingMethod::kHiMoe) {
-      losses.intra = IntraGroupRegularizer(
-          c.intra_source == ProbSource::kCorrected ? pi : p, c.lambda_intra);
-      losses.inter = c.inter_form == InterForm::kSelectedWeights
-                         ? InterGroupRegularizer(sparse, c.lambda_inter)
-                         : InterGroupRegularizerDenseGroupMass(p, c.num_groups,
-                                                               c.lambda_inter);
+      lambda_intra = c.epsilon_ov > 0 ? lambda_intra_.item<double>() : c.lambda_intra;
+      lambda_inter = c.epsilon_sys > 0 ? lambda_inter_.item<double>() : c.lambda_inter;
+      const at::Tensor& intra_probs = c.intra_source == ProbSource::kCorrected ? pi : p;
+      const auto inter = [&](double lambda) {
+        return c.inter_form == InterForm::kSelectedWeights
+                   ? InterGroupRegularizer(sparse, lambda)
+                   : InterGroupRegularizerDenseGroupMass(p, c.num_groups, lambda);
+      };
+      losses.intra = IntraGroupRegularizer(intra_probs, lambda_intra);
+      losses.inter = inter(lambda_inter);
+      if (training && (c.epsilon_ov > 0 || c.epsilon_sys > 0)) {
+        // The constraints' costs are the regularizers at lambda = 1, on the
+        // distributions the regularizers read: C_ov = 1 - mean ||pi||^2,
+        // C_sys = mean ||pi_tilde||^2 (or the dense group mass, reference).
+        at::NoGradGuard no_grad;
+        if (c.epsilon_ov > 0) {
+          const double c_ov = 1.0 + IntraGroupRegularizer(intra_probs, 1.0).item<double>();
+          lambda_intra_.fill_(
+              DualAscentStep(lambda_intra, c_ov, c.epsilon_ov, c.dual_rate, c.lambda_intra));
+        }
+        if (c.epsilon_sys > 0) {
+          const double c_sys = inter(1.0).item<double>();
+          lambda_inter_.fill_(
+              DualAscentStep(lambda_inter, c_sys, c.epsilon_sys, c.dual_rate, c.lambda_inter));
+        }
+      }
     }
     if (c.method == RoutingMethod::kStMoe || (grouped && c.grouped_z_loss)) {
       losses.z = RouterZLoss(g, c.z_coef);
@@ -290,8 +316,9 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
       at::NoGradGuard no_grad;
       const at::Tensor counts = at::bincount(own.ids.reshape(-1), {}, c.num_experts);
       const double own_cv = CoefficientOfVariation(ToVector(counts));
-      balance_.loss_multiplier.add_(kBalanceLossRate * (own_cv - c.target_expert_cv))
-          .clamp_min_(0.0);
+      balance_.loss_multiplier.fill_(DualAscentStep(balance_.loss_multiplier.item<double>(),
+                                                    own_cv, c.target_expert_cv,
+                                                    kBalanceLossRate));
     }
     if (training && c.method == RoutingMethod::kLossFree) {
       at::NoGradGuard no_grad;
@@ -301,6 +328,8 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
     }
     out.stats = ComputeStats(c, pi, sparse, sel.ids, kept, capacity, BalanceBias());
     out.stats.balance_multiplier = balance_.loss_multiplier.item<double>();
+    out.stats.lambda_intra = lambda_intra;
+    out.stats.lambda_inter = lambda_inter;
     out.groups = BuildDispatchPlan(sel.ids, weights, kept, c.num_groups,
                                    c.experts_per_group());
     out.expert_ids = sel.ids;

@@ -61,6 +61,8 @@ struct RoutingStats {
   double load_entropy = 0;              // H(c / sum c) / log N
   std::vector<double> balance_bias;     // the controller's selection bias, length N
   double balance_multiplier = 0;        // mu of the controller's loss
+  double lambda_intra = 0;              // the R_intra and R_inter weights this batch used
+  double lambda_inter = 0;              // (dual variables when epsilon_ov/epsilon_sys > 0)
 };
 
 // The statistics of several batches routed by the same layer (a validation
@@ -133,6 +135,10 @@ class RouterLayer {
   at::Tensor BalanceBias() const;
   // [1, N], requires grad; undefined unless config().router_scale and grouped.
   at::Tensor& router_scale() { return router_scale_; }
+  // lambda_intra and lambda_inter, float [1] each: the config's values, moved
+  // by dual ascent in training when epsilon_ov / epsilon_sys > 0 (himoe).
+  at::Tensor& lambda_intra() { return lambda_intra_; }
+  at::Tensor& lambda_inter() { return lambda_inter_; }
   at::Tensor& route_calls() { return route_calls_; }  // int64 [1]
 
  private:
@@ -153,6 +159,8 @@ class RouterLayer {
   at::Tensor pending_counts_;
   BalanceState balance_;
   at::Tensor router_scale_;
+  at::Tensor lambda_intra_;
+  at::Tensor lambda_inter_;
   at::Tensor route_calls_;
   uint64_t seed_;
 };

@@ -49,6 +49,14 @@ double DefaultTargetExpertCv(RoutingMethod method) {
   return method == RoutingMethod::kHiMoe ? 0.1 : 0.0;
 }
 
+double DefaultEpsilonOv(RoutingMethod method) {
+  return method == RoutingMethod::kHiMoe ? 0.8 : 0.0;
+}
+
+double DefaultEpsilonSys(RoutingMethod method) {
+  return method == RoutingMethod::kHiMoe ? 0.3 : 0.0;
+}
+
 absl::Status ApplyPreset(absl::string_view preset, RoutingConfig* config) {
   const bool reference = preset == "reference";
   if (!reference && preset != "paper") {
@@ -105,6 +113,11 @@ absl::Status ValidateRoutingConfig(const RoutingConfig& c) {
        c.second_choice_threshold >= 0, ">= 0 (0 = keep every pick)"},
       {"target_expert_cv", c.target_expert_cv, c.target_expert_cv >= 0, ">= 0 (0 = off)"},
       {"balance_rate (eta)", c.balance_rate, c.balance_rate >= 0, ">= 0"},
+      {"epsilon_ov", c.epsilon_ov, c.epsilon_ov >= 0 && c.epsilon_ov < 1,
+       "in [0, 1) (0 = fixed lambda_intra)"},
+      {"epsilon_sys", c.epsilon_sys, c.epsilon_sys >= 0 && c.epsilon_sys <= 1,
+       "in [0, 1] (0 = fixed lambda_inter)"},
+      {"dual_rate", c.dual_rate, c.dual_rate >= 0, ">= 0"},
   };
   for (const Check& check : checks) {
     if (!std::isfinite(check.value) || !check.ok) {
@@ -117,6 +130,12 @@ absl::Status ValidateRoutingConfig(const RoutingConfig& c) {
         "with its own bias), got %g",
         c.target_expert_cv));
   }
+  if ((c.epsilon_ov > 0 || c.epsilon_sys > 0) && c.method != RoutingMethod::kHiMoe) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "routing config: epsilon_ov and epsilon_sys must be 0 for %s (only himoe has "
+        "R_intra and R_inter), got %g and %g",
+        RoutingMethodName(c.method), c.epsilon_ov, c.epsilon_sys));
+  }
   return absl::OkStatus();
 }
 
@@ -126,7 +145,8 @@ std::string RoutingConfigDebugString(const RoutingConfig& c) {
       "lambda_inter=%g alpha=%g c_z=%g capacity_factor=%g renormalize=%d "
       "inter=%s intra=%s load=%s capacity_rounding=%s flat_load=%s "
       "grouped_z_loss=%d router_scale=%d second_choice_threshold=%g "
-      "sigmoid_scores=%d target_expert_cv=%g balance_rate=%g",
+      "sigmoid_scores=%d target_expert_cv=%g balance_rate=%g epsilon_ov=%g "
+      "epsilon_sys=%g dual_rate=%g",
       RoutingMethodName(c.method), c.num_experts, c.num_groups, c.top_k,
       c.temperature, c.tau, c.ema_beta, c.lambda_intra, c.lambda_inter,
       c.alpha, c.z_coef, c.capacity_factor, c.renormalize,
@@ -136,7 +156,7 @@ std::string RoutingConfigDebugString(const RoutingConfig& c) {
       c.capacity_rounding == CapacityRounding::kCeil ? "ceil" : "released",
       c.flat_load == FlatLoadForm::kPaper ? "paper" : "released", c.grouped_z_loss,
       c.router_scale, c.second_choice_threshold, c.sigmoid_scores, c.target_expert_cv,
-      c.balance_rate);
+      c.balance_rate, c.epsilon_ov, c.epsilon_sys, c.dual_rate);
 }
 
 }  // namespace himoe::router

@@ -78,6 +78,15 @@ struct RoutingConfig {
   double target_expert_cv = 0.0;
   double balance_rate = 0.1;  // the dual ascent's largest step, in logits per unit violation
 
+  // Dual ascent on the paper's own constraints (Sec. "Hi-MoE objective"):
+  // C_ov <= epsilon_ov with multiplier lambda_intra, C_sys <= epsilon_sys
+  // with lambda_inter, each starting at 0, moved on every training batch by
+  // DualAscentStep (rate dual_rate) and bounded by the value above. 0 = off:
+  // the fixed lambda of the paper's experiments. himoe only.
+  double epsilon_ov = 0.0;
+  double epsilon_sys = 0.0;
+  double dual_rate = 0.01;
+
   int experts_per_group() const { return num_experts / num_groups; }  // S
   int total_k() const { return num_groups * top_k; }                  // K
 };
@@ -93,6 +102,12 @@ inline constexpr double kBalanceLossRate = 0.01;
 // objective collapses inside groups without it; README "Balance"), 0 (off)
 // for the others.
 double DefaultTargetExpertCv(RoutingMethod method);
+// The product defaults of the budgets (README "Balance", from the study):
+// epsilon_ov 0.8 (mean ||pi||^2 >= 0.2, a little more decisive than an
+// unregularized gate at the start of training, 0.13) and epsilon_sys 0.3
+// for himoe; 0 (off, fixed lambdas) for the others.
+double DefaultEpsilonOv(RoutingMethod method);
+double DefaultEpsilonSys(RoutingMethod method);
 
 // Sets every paper/released-code switch at once. `preset` is "paper" (the
 // paper's formulas, dropless) or "reference" (the authors' released code:

@@ -199,6 +199,11 @@ void BalanceControllerUpdate(BalanceState& state, const at::Tensor& counts, doub
   state.last.copy_(x);
 }
 
+double DualAscentStep(double lambda, double cost, double epsilon, double rate,
+                      double upper) {
+  return std::min(upper, std::max(0.0, lambda + rate * (cost - epsilon)));
+}
+
 void LossFreeBiasUpdate(at::Tensor& bias, const at::Tensor& counts, double u) {
   at::NoGradGuard no_grad;
   const at::Tensor c = counts.to(bias.device(), at::kFloat);

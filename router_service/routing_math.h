@@ -6,6 +6,7 @@
 // autograd-transparent except where marked "no gradient".
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -136,6 +137,15 @@ struct BalanceState {
 };
 void BalanceControllerUpdate(BalanceState& state, const at::Tensor& counts, double target_cv,
                              double band, double rate);
+
+// Projected dual ascent on one constraint C <= epsilon of the paper's
+// constrained problem (eq. main:constrained, whose Lagrange multipliers are
+// lambda_inter and lambda_intra), and on the controller's CV <= target:
+//   lambda <- min(upper, max(0, lambda + rate * (C - epsilon))).
+// A finite `upper` bounds the multiplier to a box (the penalty never exceeds
+// upper * violation, as with a fixed weight).
+double DualAscentStep(double lambda, double cost, double epsilon, double rate,
+                      double upper = std::numeric_limits<double>::infinity());
 
 // ---- Statistics (no gradient; plain numbers for metrics) ----
 

@@ -5,7 +5,7 @@
 # scripts/repro_report.py into <out>/results.md, results.csv, runs.csv and
 # plots/.
 #
-#   bash scripts/repro.sh                 # full: 14 rows x 3 seeds (about 3 hours on 2 cores)
+#   bash scripts/repro.sh                 # full: 16 rows x 3 seeds (about 3.5 hours on 2 cores)
 #   bash scripts/repro.sh --quick         # seed 1337; vanilla, moge, himoe, himoe+controller (~25 min)
 #   bash scripts/repro.sh --smoke         # every row, 1 seed, 2 steps (what CI runs)
 #   options: --out DIR (default runs/repro)  --jobs N (default 2)
@@ -43,16 +43,18 @@ ROWS=(
   "st_moe|--method st_moe"
   "loss_free|--method loss_free"
   "moge|--method moge"
-  "himoe|--method himoe --target_expert_cv 0"
-  "himoe-reference|--method himoe --preset reference --target_expert_cv 0"
+  "himoe|--method himoe --target_expert_cv 0 --epsilon_ov 0 --epsilon_sys 0"
+  "himoe-reference|--method himoe --preset reference --target_expert_cv 0 --epsilon_ov 0 --epsilon_sys 0"
   "moge-reference|--method moge --preset reference"
   "vanilla-reference|--method vanilla --preset reference"
   "st_moe-reference|--method st_moe --preset reference"
   "loss_free-reference|--method loss_free --preset reference"
-  "himoe+controller|--method himoe --target_expert_cv 0.1"
-  "moge+bias_corr|--method himoe --lambda_intra 0 --lambda_inter 0 --target_expert_cv 0"
-  "moge+R_intra|--method himoe --tau 0 --lambda_inter 0 --target_expert_cv 0"
-  "moge+R_inter|--method himoe --tau 0 --lambda_intra 0 --target_expert_cv 0"
+  "himoe+controller|--method himoe --target_expert_cv 0.1 --epsilon_ov 0.8 --epsilon_sys 0.3"
+  "himoe+dual|--method himoe --target_expert_cv 0 --epsilon_ov 0.8 --epsilon_sys 0.3"
+  "himoe+controller-fixed|--method himoe --target_expert_cv 0.1 --epsilon_ov 0 --epsilon_sys 0"
+  "moge+bias_corr|--method himoe --lambda_intra 0 --lambda_inter 0 --target_expert_cv 0 --epsilon_ov 0 --epsilon_sys 0"
+  "moge+R_intra|--method himoe --tau 0 --lambda_inter 0 --target_expert_cv 0 --epsilon_ov 0 --epsilon_sys 0"
+  "moge+R_inter|--method himoe --tau 0 --lambda_intra 0 --target_expert_cv 0 --epsilon_ov 0 --epsilon_sys 0"
 )
 QUICK_ROWS=vanilla,moge,himoe,himoe+controller
 QUICK_SEEDS=1337

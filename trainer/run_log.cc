@@ -45,7 +45,9 @@ Json LayerJson(const router::RoutingStats& st) {
               {"group_top_share", Sig6(st.group_top_share)},
               {"load_entropy", Sig6(st.load_entropy)},
               {"balance_bias", Sig6(st.balance_bias)},
-              {"balance_multiplier", Sig6(st.balance_multiplier)}};
+              {"balance_multiplier", Sig6(st.balance_multiplier)},
+              {"lambda_intra", Sig6(st.lambda_intra)},
+              {"lambda_inter", Sig6(st.lambda_inter)}};
 }
 
 std::string Duration(double seconds) {

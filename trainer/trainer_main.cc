@@ -68,6 +68,17 @@ ABSL_FLAG(double, target_expert_cv, -1,
           "-1 = the method's default (0.1 for himoe, off for the others), 0 = off");
 ABSL_FLAG(double, balance_rate, 0.1,
           "balance controller: dual-ascent step, in logits per unit of load violation");
+ABSL_FLAG(double, epsilon_ov, -1,
+          "himoe: dual ascent of lambda_intra in [0, --lambda_intra] on the routing "
+          "overlap C_ov = mean(1 - ||pi||^2) <= this; -1 = the method's default (0.8 "
+          "for himoe), 0 = off (fixed lambda_intra, as in the paper's experiments)");
+ABSL_FLAG(double, epsilon_sys, -1,
+          "himoe: dual ascent of lambda_inter in [0, --lambda_inter] on C_sys = "
+          "mean ||pi_tilde||^2 <= this; -1 = the method's default (0.3 for himoe), "
+          "0 = off (fixed lambda_inter)");
+ABSL_FLAG(double, dual_rate, 0.01,
+          "step of the dual ascent on lambda_intra and lambda_inter, per unit of "
+          "constraint violation and training batch");
 ABSL_FLAG(int, num_experts, 8, "N");
 ABSL_FLAG(int, num_groups, 4, "M (one expert process each)");
 ABSL_FLAG(int, top_k, 1, "k experts per group");
@@ -153,6 +164,11 @@ absl::StatusOr<router::RoutingConfig> RoutingFromFlags() {
   const double target = absl::GetFlag(FLAGS_target_expert_cv);
   c.target_expert_cv = target < 0 ? router::DefaultTargetExpertCv(c.method) : target;
   c.balance_rate = absl::GetFlag(FLAGS_balance_rate);
+  const double epsilon_ov = absl::GetFlag(FLAGS_epsilon_ov);
+  c.epsilon_ov = epsilon_ov < 0 ? router::DefaultEpsilonOv(c.method) : epsilon_ov;
+  const double epsilon_sys = absl::GetFlag(FLAGS_epsilon_sys);
+  c.epsilon_sys = epsilon_sys < 0 ? router::DefaultEpsilonSys(c.method) : epsilon_sys;
+  c.dual_rate = absl::GetFlag(FLAGS_dual_rate);
   HIMOE_RETURN_IF_ERROR(router::ValidateRoutingConfig(c));
   return c;
 }

@@ -51,6 +51,9 @@ TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_
                      "Balance controller's selection bias per expert (logits)");
   auto& multiplier = gauge("himoe_trainer_balance_multiplier",
                            "Balance controller's loss multiplier mu (dual ascent on the gate's CV)");
+  auto& lambda = gauge("himoe_trainer_routing_lambda",
+                       "R_intra / R_inter weight of the last training batch (term=intra|inter); "
+                       "dual variables when epsilon_ov / epsilon_sys are set");
   auto& val_cv = gauge("himoe_trainer_val_expert_cv", "Expert-load CV over the validation set");
   const int s = num_experts / num_groups;
   for (int l = 0; l < num_layers; ++l) {
@@ -73,6 +76,8 @@ TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_
     x.load_entropy = &entropy.Add({{"layer", layer}});
     x.val_expert_cv = &val_cv.Add({{"layer", layer}});
     x.balance_multiplier = &multiplier.Add({{"layer", layer}});
+    x.lambda_intra = &lambda.Add({{"layer", layer}, {"term", "intra"}});
+    x.lambda_inter = &lambda.Add({{"layer", layer}, {"term", "inter"}});
     for (int g = 0; g < num_groups; ++g) {
       x.top_share.push_back(&top_share.Add({{"layer", layer}, {"group", std::to_string(g)}}));
     }
@@ -144,6 +149,8 @@ void TrainerMetrics::OnStep(const StepResult& s) {
     x.mean_pi_sq->Set(st.mean_pi_sq);
     x.load_entropy->Set(st.load_entropy);
     x.balance_multiplier->Set(st.balance_multiplier);
+    x.lambda_intra->Set(st.lambda_intra);
+    x.lambda_inter->Set(st.lambda_inter);
     for (size_t g = 0; g < st.group_top_share.size() && g < x.top_share.size(); ++g) {
       x.top_share[g]->Set(st.group_top_share[g]);
     }

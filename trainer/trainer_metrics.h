@@ -31,7 +31,7 @@ class TrainerMetrics {
     std::vector<prometheus::Counter*> tokens;  // per expert
     prometheus::Gauge *expert_cv, *group_cv, *max_vio, *groups_per_token, *c_ov, *c_sys,
         *cert_lhs, *cert_rhs, *drop_rate, *mean_pi_sq, *load_entropy, *val_expert_cv,
-        *balance_multiplier;
+        *balance_multiplier, *lambda_intra, *lambda_inter;
     std::vector<prometheus::Gauge*> top_share;     // per group
     std::vector<prometheus::Gauge*> balance_bias;  // per expert
   };

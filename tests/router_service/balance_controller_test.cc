@@ -190,6 +190,76 @@ TEST(BalanceControllerTest, RejectsLossFreeAndNegativeTargets) {
   EXPECT_EQ(DefaultTargetExpertCv(RoutingMethod::kMoge), 0.0);
 }
 
+TEST(DualAscentTest, StepIsProjectedOntoTheBox) {
+  EXPECT_DOUBLE_EQ(DualAscentStep(0.1, 0.7, 0.5, 0.1), 0.12);
+  EXPECT_DOUBLE_EQ(DualAscentStep(0.1, 0.3, 0.5, 0.1), 0.08);
+  EXPECT_EQ(DualAscentStep(0.01, 0.0, 0.5, 0.1), 0.0);         // 0.01 - 0.05 -> 0
+  EXPECT_DOUBLE_EQ(DualAscentStep(0.1, 0.7, 0.5, 0.1, 0.11), 0.11);  // 0.12 -> upper
+}
+
+TEST(DualAscentTest, LambdasFollowTheirConstraintsInTraining) {
+  // himoe N=4, M=2, k=1, tau=0 (pi = p). Token 0 has uniform logits, token 1
+  // (ln 4, 0, 0, 0): p_0 = 1/4 each, p_1 = (4, 1, 1, 1)/7, so
+  // mean ||p||^2 = (1/4 + 19/49)/2 and C_ov = 1 - that (0.681). Top-1 per
+  // group: token 0 keeps two 1/4's (||pi_tilde||^2 = 1/8), token 1 keeps 4/7
+  // and a 1/7 (17/49): C_sys = (1/8 + 17/49)/2 (0.236).
+  RoutingConfig c = Config(RoutingMethod::kHiMoe, 4, 2, 1);
+  c.tau = 0;
+  c.lambda_intra = 0.1;   // the boxes' upper ends
+  c.lambda_inter = 0.05;
+  c.epsilon_ov = 0.5;
+  c.epsilon_sys = 0.1;
+  c.dual_rate = 0.1;
+  auto router = MakeRouter(c);
+  const at::Tensor g =
+      ToTensor({{0.0, 0.0, 0.0, 0.0}, {std::log(4.0), 0.0, 0.0, 0.0}});
+  const double pi_sq = (0.25 + 19.0 / 49) / 2, c_ov = 1 - pi_sq;
+  const double c_sys = (0.125 + 17.0 / 49) / 2;
+  const double up_intra = 0.1 * (c_ov - 0.5), up_inter = 0.1 * (c_sys - 0.1);
+  // The multipliers start at 0; each batch uses the ones the last one left.
+  const RoutingOutput first = MustRoute(*router, g, true);
+  EXPECT_EQ(first.losses.intra.item<double>(), 0.0);
+  EXPECT_EQ(first.losses.inter.item<double>(), 0.0);
+  EXPECT_EQ(first.stats.lambda_intra, 0.0);
+  EXPECT_NEAR(router->lambda_intra().item<double>(), up_intra, 1e-6);
+  EXPECT_NEAR(router->lambda_inter().item<double>(), up_inter, 1e-6);
+  const RoutingOutput second = MustRoute(*router, g, true);
+  EXPECT_NEAR(second.losses.intra.item<double>(), -up_intra * pi_sq, 1e-6);
+  EXPECT_NEAR(second.losses.inter.item<double>(), up_inter * c_sys, 1e-6);
+  EXPECT_NEAR(second.stats.lambda_inter, up_inter, 1e-6);
+  // Evaluation uses them and does not move them.
+  const RoutingOutput eval = MustRoute(*router, g, false);
+  EXPECT_NEAR(eval.stats.lambda_intra, 2 * up_intra, 1e-6);
+  EXPECT_NEAR(router->lambda_intra().item<double>(), 2 * up_intra, 1e-6);
+  // lambda_inter reaches its bound 0.05 on the 4th batch (4 * 0.0136 > 0.05),
+  // lambda_intra its bound 0.1 on the 6th (6 * 0.0181 > 0.1).
+  MustRoute(*router, g, true);
+  EXPECT_NEAR(router->lambda_inter().item<double>(), 3 * up_inter, 1e-6);
+  MustRoute(*router, g, true);
+  EXPECT_NEAR(router->lambda_inter().item<double>(), 0.05, 1e-7);
+  EXPECT_NEAR(router->lambda_intra().item<double>(), 4 * up_intra, 1e-6);
+  MustRoute(*router, g, true);
+  MustRoute(*router, g, true);
+  EXPECT_NEAR(router->lambda_intra().item<double>(), 0.1, 1e-7);
+  EXPECT_NEAR(MustRoute(*router, g, true).losses.intra.item<double>(), -0.1 * pi_sq, 1e-6);
+
+  // A constraint that holds keeps its multiplier at 0: C_sys < 0.3.
+  c.epsilon_sys = 0.3;
+  auto slack = MakeRouter(c);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(MustRoute(*slack, g, true).losses.inter.item<double>(), 0.0);
+  EXPECT_EQ(slack->lambda_inter().item<double>(), 0.0);
+
+  // Off (budgets 0): the fixed lambdas of the config, whatever the batch.
+  c.epsilon_ov = c.epsilon_sys = 0;
+  auto fixed = MakeRouter(c);
+  for (int i = 0; i < 3; ++i) {
+    const RoutingOutput out = MustRoute(*fixed, g, true);
+    EXPECT_NEAR(out.losses.intra.item<double>(), -0.1 * pi_sq, 1e-6);
+    EXPECT_NEAR(out.stats.lambda_inter, 0.05, 1e-9);
+  }
+  EXPECT_NEAR(fixed->lambda_intra().item<double>(), 0.1, 1e-7);
+}
+
 // Closed loop on a frozen gate that sends ~96% of every group's tokens to
 // its first expert: without the controller the expert CV stays ~0.9; with
 // it every training batch ends inside the band (CV <= delta = 0.075, up to

@@ -58,7 +58,19 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfigCase{"NegativeCapacity", [](RoutingConfig& c) { c.capacity_factor = -2; },
                       "capacity_factor must be >= 0 (0 = dropless)"},
         BadConfigCase{"InfiniteRate", [](RoutingConfig& c) { c.loss_free_rate = INFINITY; },
-                      "loss_free_rate (u) must be >= 0"}),
+                      "loss_free_rate (u) must be >= 0"},
+        BadConfigCase{"OverlapBudgetOne", [](RoutingConfig& c) { c.epsilon_ov = 1.0; },
+                      "epsilon_ov must be in [0, 1) (0 = fixed lambda_intra), got 1"},
+        BadConfigCase{"NegativeSysBudget", [](RoutingConfig& c) { c.epsilon_sys = -0.1; },
+                      "epsilon_sys must be in [0, 1] (0 = fixed lambda_inter), got -0.1"},
+        BadConfigCase{"NegativeDualRate", [](RoutingConfig& c) { c.dual_rate = -1; },
+                      "dual_rate must be >= 0, got -1"},
+        BadConfigCase{"BudgetOnMoge",
+                      [](RoutingConfig& c) {
+                        c.method = RoutingMethod::kMoge;
+                        c.epsilon_ov = 0.7;
+                      },
+                      "epsilon_ov and epsilon_sys must be 0 for moge (only himoe has"}),
     [](const auto& info) { return info.param.name; });
 
 TEST(RoutingConfigTest, DefaultsArePaperAndValid) {
@@ -74,6 +86,13 @@ TEST(RoutingConfigTest, DefaultsArePaperAndValid) {
   EXPECT_EQ(c.capacity_factor, 0.0);
   EXPECT_EQ(c.experts_per_group(), 2);
   EXPECT_EQ(c.total_k(), 4);
+  // The paper's fixed multipliers unless a budget is given.
+  EXPECT_EQ(c.epsilon_ov, 0.0);
+  EXPECT_EQ(c.epsilon_sys, 0.0);
+  EXPECT_EQ(DefaultEpsilonOv(RoutingMethod::kHiMoe), 0.8);
+  EXPECT_EQ(DefaultEpsilonSys(RoutingMethod::kHiMoe), 0.3);
+  EXPECT_EQ(DefaultEpsilonOv(RoutingMethod::kMoge), 0.0);
+  EXPECT_EQ(DefaultEpsilonSys(RoutingMethod::kVanilla), 0.0);
 }
 
 void ExpectSwitches(const RoutingConfig& c, bool reference) {

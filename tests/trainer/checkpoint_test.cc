@@ -239,6 +239,8 @@ struct ResumeVariant {
   router::RoutingMethod method;
   const char* preset;
   double target_expert_cv;
+  double epsilon_ov = 0;  // dual ascent budgets (himoe)
+  double epsilon_sys = 0;
 };
 
 class ResumeTest : public ::testing::TestWithParam<ResumeVariant> {};
@@ -248,6 +250,8 @@ TEST_P(ResumeTest, ResumedRunEqualsUninterruptedRun) {
   TrainerOptions o = SmallOptions(v.method);
   ASSERT_TRUE(router::ApplyPreset(v.preset, &o.model.routing).ok());
   o.model.routing.target_expert_cv = v.target_expert_cv;
+  o.model.routing.epsilon_ov = v.epsilon_ov;
+  o.model.routing.epsilon_sys = v.epsilon_sys;
   TempDir root;
   const RunRecord a = Uninterrupted(o, 6);
   const RunRecord b = Resumed(o, o, 3, 6, root.str());
@@ -264,6 +268,10 @@ TEST_P(ResumeTest, ResumedRunEqualsUninterruptedRun) {
     moved("moe0_balance_upper", 0);
     moved("moe0_balance_lower", 0);
   }
+  // Budgets under a near-uniform gate's C_ov (~0.75) and C_sys (~0.125): both
+  // multipliers rise from 0.
+  if (v.epsilon_ov > 0) moved("moe0_lambda_intra", 0);
+  if (v.epsilon_sys > 0) moved("moe0_lambda_inter", 0);
   if (std::string(v.preset) == "reference" && router::IsGrouped(v.method)) {
     moved("moe0_router_scale", 1);
   }
@@ -278,6 +286,8 @@ INSTANTIATE_TEST_SUITE_P(
                       ResumeVariant{"loss_free", router::RoutingMethod::kLossFree, "paper", 0},
                       ResumeVariant{"himoe_controller", router::RoutingMethod::kHiMoe, "paper",
                                     0.1},
+                      ResumeVariant{"himoe_controller_dual", router::RoutingMethod::kHiMoe,
+                                    "paper", 0.1, 0.5, 0.01},
                       ResumeVariant{"himoe_reference", router::RoutingMethod::kHiMoe,
                                     "reference", 0},
                       ResumeVariant{"st_moe_reference", router::RoutingMethod::kStMoe,

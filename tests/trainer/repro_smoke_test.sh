@@ -38,7 +38,8 @@ repro || fail "repro.sh --smoke exited with an error"
 echo "repro.sh --smoke took $((SECONDS - start)) s"
 
 ROWS=(vanilla st_moe loss_free moge himoe himoe-reference moge-reference vanilla-reference
-      st_moe-reference loss_free-reference himoe+controller moge+bias_corr moge+R_intra
+      st_moe-reference loss_free-reference himoe+controller himoe+dual himoe+controller-fixed
+      moge+bias_corr moge+R_intra
       moge+R_inter)
 md="${study}/results.md"
 [[ -f "${md}" ]] || fail "no ${md}"
