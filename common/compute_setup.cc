@@ -39,6 +39,7 @@
 #include "absl/strings/strip.h"
 #include "common/file_util.h"
 #include "common/linear.h"
+#include "common/parallel_for.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 
@@ -527,6 +528,8 @@ absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options) {
   HIMOE_RETURN_IF_ERROR(ConfigureTorchThreads(options.threads));
   setup.threads = at::get_num_threads();
   setup.blas_threads = setup.threads;
+  SetParallelForEnabled(options.split_products);
+  setup.split_products = options.split_products;
   if (library.blis()) {
     // Every choice is timed in a child, before this process's first product.
     if (const char* forced = std::getenv(kArchEnv); forced && *forced) {
@@ -595,6 +598,10 @@ std::string ComputeSetup::Summary() const {
       blas_threads, blas, kernels.empty() ? "n/a" : kernels,
       kernels_source.empty() ? "n/a" : kernels_source);
   if (!malloc.empty()) absl::StrAppend(&line, "; malloc: ", malloc);
+  if (threads > 1) {
+    absl::StrAppend(&line, split_products ? "; experts side by side, a thread each"
+                                          : "; experts one at a time, on every thread");
+  }
   if (!probes.empty()) {
     std::vector<std::string> parts;
     for (const KernelProbe& p : probes) {

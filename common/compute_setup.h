@@ -30,6 +30,10 @@ struct ComputeOptions {
   // Have glibc keep freed memory for reuse rather than unmapping and
   // trimming it (see KeepHeap in compute_setup.cc).
   bool keep_heap = true;
+  // Independent products (a group's experts) side by side, each on one
+  // thread, rather than one after another, each split across the threads
+  // (SetParallelForEnabled).
+  bool split_products = true;
 };
 
 // One kernel set timed by the probe.
@@ -55,6 +59,7 @@ struct ComputeSetup {
   // best of several), and the RowwiseLinearRows() chosen from them.
   double small_gemm_us = 0, small_gemv_us = 0;
   int64_t rowwise_linear_rows = 0;
+  bool split_products = true;
   int gemm_threads = 1;
   // The vector units' peak at the clock /proc/cpuinfo reports; 0 if unknown.
   double vector_peak_gflops = 0;

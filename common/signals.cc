@@ -1,7 +1,10 @@
 #include "common/signals.h"
 
+#include <execinfo.h>
 #include <pthread.h>
 #include <signal.h>
+#include <string.h>
+#include <unistd.h>
 
 #include <ctime>
 #include <initializer_list>
@@ -24,6 +27,26 @@ sigset_t WatchedSignals() {
 }
 
 bool IsStopSignal(int sig) { return sig == SIGINT || sig == SIGTERM || sig == SIGHUP; }
+
+void WriteAll(const char* text) {
+  for (size_t left = strlen(text); left > 0;) {
+    const ssize_t n = write(STDERR_FILENO, text, left);
+    if (n <= 0) return;
+    text += n;
+    left -= static_cast<size_t>(n);
+  }
+}
+
+// Installed with SA_RESETHAND: re-raising the signal after the stack is
+// written kills the process as the default action would (core dump included).
+extern "C" void PrintStackAndDie(int sig) {
+  WriteAll("\n*** fatal signal ");
+  WriteAll(strsignal(sig));
+  WriteAll("; stack of the thread that got it:\n");
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
+  raise(sig);
+}
 
 }  // namespace
 
@@ -60,6 +83,18 @@ int PendingStopSignal() {
     if (sigismember(&pending, sig)) return WaitForStopSignal(std::chrono::milliseconds(0));
   }
   return 0;
+}
+
+void PrintStackOnCrash() {
+  // backtrace() loads libgcc on its first call, which must not happen in the
+  // handler (it may allocate on a corrupted heap).
+  void* warm[1];
+  backtrace(warm, 1);
+  struct sigaction action {};
+  action.sa_handler = PrintStackAndDie;
+  action.sa_flags = SA_RESETHAND;
+  sigemptyset(&action.sa_mask);
+  for (const int sig : {SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE}) sigaction(sig, &action, nullptr);
 }
 
 }  // namespace himoe

@@ -19,6 +19,12 @@ int WaitForStopSignal(std::chrono::milliseconds timeout);
 // A stop signal already pending (consumed), without waiting; else 0.
 int PendingStopSignal();
 
+// On SIGSEGV, SIGABRT (glibc's heap checks), SIGBUS, SIGILL or SIGFPE: writes
+// the signal and this thread's stack (symbols where the binary exports them)
+// to stderr, then dies of the signal as it would have. Call it first in
+// main(). Stop signals are left alone.
+void PrintStackOnCrash();
+
 }  // namespace himoe
 
 #endif  // HIMOE_COMMON_SIGNALS_H_

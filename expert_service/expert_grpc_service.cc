@@ -17,10 +17,30 @@
 namespace himoe::expert {
 namespace {
 
-// Streams the chunks of a state snapshot taken when the call arrives.
+using Clock = std::chrono::system_clock;
+
+// Queues `work` on `pool`. It is handed OK, or DEADLINE_EXCEEDED when the
+// call's deadline passed while it waited (it must not compute then). A full
+// queue is returned at once, and `work` never runs.
+absl::Status SubmitBeforeDeadline(ComputePool* pool, Clock::time_point deadline,
+                                  std::function<void(const absl::Status&)> work) {
+  return pool->Submit([deadline, work = std::move(work)] {
+    if (deadline <= Clock::now()) {
+      work(absl::DeadlineExceededError(
+          "the call's deadline passed while it waited for a compute worker; not computed"));
+      return;
+    }
+    work(absl::OkStatus());
+  });
+}
+
+// Streams the chunks of a state snapshot. The snapshot is taken on the
+// compute pool, in its FIFO order behind the work queued before the call;
+// the reactor threads only serialize and write chunks.
 class GetStateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  GetStateReactor(const ExpertServiceCore& core, const v1::GetStateRequest& request,
+  GetStateReactor(const ExpertServiceCore& core, ComputePool* pool,
+                  const v1::GetStateRequest& request, Clock::time_point deadline,
                   int64_t max_chunk_bytes) {
     if (request.chunk_bytes() < 0) {
       Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
@@ -30,18 +50,28 @@ class GetStateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     const int64_t chunk_bytes = std::min(
         request.chunk_bytes() == 0 ? kDefaultStateChunkBytes : request.chunk_bytes(),
         max_chunk_bytes);
-    auto state = core.GetState(request.include_optimizer());
-    if (!state.ok()) {
-      Finish(ToGrpcStatus(state.status()));
-      return;
-    }
-    auto chunker = StateChunker::Create(std::move(*state), chunk_bytes);
-    if (!chunker.ok()) {
-      Finish(ToGrpcStatus(chunker.status()));
-      return;
-    }
-    chunker_ = std::move(*chunker);
-    NextWrite();
+    const bool include_optimizer = request.include_optimizer();
+    const absl::Status queued = SubmitBeforeDeadline(
+        pool, deadline,
+        [this, &core, include_optimizer, chunk_bytes](const absl::Status& admitted) {
+          if (!admitted.ok()) {
+            Finish(ToGrpcStatus(admitted));
+            return;
+          }
+          auto state = core.GetState(include_optimizer);
+          if (!state.ok()) {
+            Finish(ToGrpcStatus(state.status()));
+            return;
+          }
+          auto chunker = StateChunker::Create(std::move(*state), chunk_bytes);
+          if (!chunker.ok()) {
+            Finish(ToGrpcStatus(chunker.status()));
+            return;
+          }
+          chunker_ = std::move(*chunker);
+          NextWrite();
+        });
+    if (!queued.ok()) Finish(ToGrpcStatus(queued));
   }
 
   void OnWriteDone(bool ok) override {
@@ -72,13 +102,15 @@ class GetStateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   grpc::ByteBuffer buffer_;
 };
 
-// Assembles the streamed chunks and applies them all at once at the end.
+// Assembles the streamed chunks (on the reactor threads: parsing and
+// copying bytes) and applies them all at once at the end, on the compute pool.
 class SetStateReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   SetStateReactor(grpc::CallbackServerContext* context, ExpertServiceCore* core,
-                  grpc::ByteBuffer* response)
+                  ComputePool* pool, grpc::ByteBuffer* response)
       : context_(context),
         core_(core),
+        pool_(pool),
         response_(response),
         assembler_([core](const std::string& name, c10::ScalarType dtype,
                           at::IntArrayRef shape) {
@@ -107,6 +139,25 @@ class SetStateReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       Finish(grpc::Status(grpc::StatusCode::CANCELLED, "SetState: cancelled"));
       return;
     }
+    const absl::Status queued =
+        SubmitBeforeDeadline(pool_, context_->deadline(), [this](const absl::Status& admitted) {
+          if (!admitted.ok()) {
+            Finish(ToGrpcStatus(admitted));
+            return;
+          }
+          if (context_->IsCancelled()) {
+            Finish(grpc::Status(grpc::StatusCode::CANCELLED, "SetState: cancelled"));
+            return;
+          }
+          Apply();
+        });
+    if (!queued.ok()) Finish(ToGrpcStatus(queued));
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void Apply() {
     auto tensors = assembler_.Finish();
     if (!tensors.ok()) {
       Finish(ToGrpcStatus(tensors.status()));
@@ -122,11 +173,9 @@ class SetStateReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     Finish(SerializeRaw(response, response_));
   }
 
-  void OnDone() override { delete this; }
-
- private:
   grpc::CallbackServerContext* context_;
   ExpertServiceCore* core_;
+  ComputePool* pool_;
   grpc::ByteBuffer* response_;
   StateAssembler assembler_;
   grpc::ByteBuffer buffer_;
@@ -144,21 +193,16 @@ grpc::ServerUnaryReactor* ExpertGrpcService::ServeOnPool(grpc::CallbackServerCon
                                                          const grpc::ByteBuffer* request,
                                                          grpc::ByteBuffer* response,
                                                          Compute compute) {
-  const std::chrono::system_clock::time_point deadline = context->deadline();
+  const Clock::time_point deadline = context->deadline();
   return ServeUnary<Request, Response>(
       context, request, response,
       [this, deadline, compute](Request* q, Response* r,
                                 std::function<void(const absl::Status&)> done) {
         // `done` keeps the request and response alive until it is called.
-        const absl::Status queued = pool_->Submit([q, r, done, deadline, compute] {
-          if (deadline <= std::chrono::system_clock::now()) {
-            done(absl::DeadlineExceededError(
-                "the call's deadline passed while it waited for a compute worker; not "
-                "computed"));
-            return;
-          }
-          done(compute(q, r));
-        });
+        const absl::Status queued =
+            SubmitBeforeDeadline(pool_, deadline, [q, r, done, compute](const absl::Status& admitted) {
+              done(admitted.ok() ? compute(q, r) : admitted);
+            });
         if (!queued.ok()) done(queued);
       });
 }
@@ -210,17 +254,17 @@ grpc::ServerUnaryReactor* ExpertGrpcService::BeginRun(grpc::CallbackServerContex
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ExpertGrpcService::GetState(
-    grpc::CallbackServerContext*, const grpc::ByteBuffer* raw_request) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request) {
   v1::GetStateRequest request;
   if (absl::Status s = ParseRaw(*raw_request, "request", &request); !s.ok()) {
     return RejectStream<grpc::ServerWriteReactor<grpc::ByteBuffer>>(ToGrpcStatus(s));
   }
-  return new GetStateReactor(*core_, request, max_chunk_bytes_);
+  return new GetStateReactor(*core_, pool_, request, context->deadline(), max_chunk_bytes_);
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* ExpertGrpcService::SetState(
     grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
-  return new SetStateReactor(context, core_, response);
+  return new SetStateReactor(context, core_, pool_, response);
 }
 
 absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(

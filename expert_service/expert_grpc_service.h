@@ -32,7 +32,9 @@ class ExpertGrpcService final : public ExpertServiceBase {
  public:
   // `core` and `pool` must outlive the service. GetState chunks are capped
   // at max_chunk_bytes so that each fits in one message. Forward, Backward,
-  // Step and BeginRun compute on `pool`, off gRPC's threads.
+  // Step and BeginRun compute on `pool`, off gRPC's threads, and so do
+  // GetState's snapshot and SetState's apply (the chunks' bytes are
+  // serialized and parsed on gRPC's threads).
   ExpertGrpcService(ExpertServiceCore* core, ComputePool* pool, int64_t max_chunk_bytes);
 
   // Every method is registered raw: bytes that do not parse as the request

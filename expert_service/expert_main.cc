@@ -179,6 +179,7 @@ int main(int argc, char** argv) {
     FLAGS_logtostderr = true;
   }
   google::InitGoogleLogging(argv[0]);
+  himoe::PrintStackOnCrash();
   const absl::Status status = himoe::expert::Run(startup);
   if (!status.ok()) {
     LOG(ERROR) << "himoe-expert: " << status;

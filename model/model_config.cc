@@ -137,7 +137,7 @@ v1::RoutingSettings RoutingSettingsToProto(const router::RoutingConfig& c) {
   s.set_capacity_rounding(c.capacity_rounding == router::CapacityRounding::kCeil ? kCeil
                                                                                  : kReleased);
   s.set_flat_load(c.flat_load == router::FlatLoadForm::kPaper ? kPaper : kReleased);
-  s.set_grouped_z_loss(c.grouped_z_loss);
+  s.set_released_z_loss(c.released_z_loss);
   s.set_router_scale(c.router_scale);
   s.set_second_choice_threshold(c.second_choice_threshold);
   s.set_sigmoid_scores(c.sigmoid_scores);
@@ -176,7 +176,7 @@ absl::StatusOr<router::RoutingConfig> RoutingConfigFromProto(const v1::RoutingSe
                          ParseTwoWay("flat_load", s.flat_load(), kPaper,
                                      router::FlatLoadForm::kPaper, kReleased,
                                      router::FlatLoadForm::kReleased));
-  c.grouped_z_loss = s.grouped_z_loss();
+  c.released_z_loss = s.released_z_loss();
   c.router_scale = s.router_scale();
   c.second_choice_threshold = s.second_choice_threshold();
   c.sigmoid_scores = s.sigmoid_scores();

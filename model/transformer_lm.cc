@@ -9,12 +9,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/linear.h"
+#include "model/attention.h"
 #include "common/profile_scope.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 
 namespace himoe::model {
-
 TransformerLM::TransformerLM(const ModelOptions& o, MoELayers* moe) : options_(o), moe_(moe) {
   torch::manual_seed(o.seed);
   wte_ = register_module("wte", torch::nn::Embedding(o.vocab_size, o.d_model));
@@ -100,11 +100,10 @@ at::Tensor TransformerLM::Attention(Block& b, const at::Tensor& x) {
   const auto heads = [&](const at::Tensor& t) {
     return t.view({B, T, H, C / H}).transpose(1, 2);
   };
-  const at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
-  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(C / H));
-  const at::Tensor mask = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
-  att = at::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
-  const at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
+  const at::Tensor y = CausalSelfAttention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]))
+                           .transpose(1, 2)
+                           .contiguous()
+                           .view({B, T, C});
   return b.proj->forward(y);
 }
 

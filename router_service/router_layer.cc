@@ -302,7 +302,8 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
         }
       }
     }
-    if (c.method == RoutingMethod::kStMoe || (grouped && c.grouped_z_loss)) {
+    if (c.method == RoutingMethod::kStMoe ||
+        (c.released_z_loss && c.method != RoutingMethod::kLossFree)) {
       losses.z = RouterZLoss(g, c.z_coef);
     }
 

@@ -184,6 +184,7 @@ int main(int argc, char** argv) {
   himoe::BlockStopSignals();  // before any thread starts: they inherit the mask
   himoe::ParseCommandLine(argc, argv, himoe::router::kUsage);
   google::InitGoogleLogging(argv[0]);
+  himoe::PrintStackOnCrash();
   FLAGS_logtostderr = true;
   const absl::Status status = himoe::router::Run(startup);
   if (!status.ok()) {

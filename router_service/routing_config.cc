@@ -72,7 +72,7 @@ absl::Status ApplyPreset(absl::string_view preset, RoutingConfig* config) {
   config->capacity_rounding =
       reference ? CapacityRounding::kReleased : CapacityRounding::kCeil;
   config->flat_load = reference ? FlatLoadForm::kReleased : FlatLoadForm::kPaper;
-  config->grouped_z_loss = reference;
+  config->released_z_loss = reference;
   config->router_scale = reference;
   config->second_choice_threshold = reference ? 0.2 : 0.0;
   config->sigmoid_scores = reference;
@@ -144,7 +144,7 @@ std::string RoutingConfigDebugString(const RoutingConfig& c) {
       "method=%s N=%d M=%d k=%d T=%g tau=%g beta=%g lambda_intra=%g "
       "lambda_inter=%g alpha=%g c_z=%g capacity_factor=%g renormalize=%d "
       "inter=%s intra=%s load=%s capacity_rounding=%s flat_load=%s "
-      "grouped_z_loss=%d router_scale=%d second_choice_threshold=%g "
+      "released_z_loss=%d router_scale=%d second_choice_threshold=%g "
       "sigmoid_scores=%d target_expert_cv=%g balance_rate=%g epsilon_ov=%g "
       "epsilon_sys=%g dual_rate=%g",
       RoutingMethodName(c.method), c.num_experts, c.num_groups, c.top_k,
@@ -154,7 +154,7 @@ std::string RoutingConfigDebugString(const RoutingConfig& c) {
       c.intra_source == ProbSource::kCorrected ? "pi" : "p",
       c.load_source == ProbSource::kCorrected ? "pi" : "p",
       c.capacity_rounding == CapacityRounding::kCeil ? "ceil" : "released",
-      c.flat_load == FlatLoadForm::kPaper ? "paper" : "released", c.grouped_z_loss,
+      c.flat_load == FlatLoadForm::kPaper ? "paper" : "released", c.released_z_loss,
       c.router_scale, c.second_choice_threshold, c.sigmoid_scores, c.target_expert_cv,
       c.balance_rate, c.epsilon_ov, c.epsilon_sys, c.dual_rate);
 }

@@ -58,7 +58,9 @@ struct RoutingConfig {
   ProbSource load_source = ProbSource::kCorrected;
   CapacityRounding capacity_rounding = CapacityRounding::kCeil;
   FlatLoadForm flat_load = FlatLoadForm::kPaper;
-  bool grouped_z_loss = false;  // z-loss on moge and himoe too
+  // The z-loss on vanilla, moge and himoe too, as their released configs
+  // set it (st_moe always has it; loss_free never).
+  bool released_z_loss = false;
   // A learnable per-expert scale (init 1) multiplies each selected expert's
   // combine weight after renormalization; moge and himoe only.
   bool router_scale = false;

@@ -32,6 +32,7 @@
 #include "common/process_stats.h"
 #include "common/metrics_endpoint.h"
 #include "common/program.h"
+#include "common/signals.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 #include "deploy/local/local_cluster.h"
@@ -107,6 +108,10 @@ ABSL_FLAG(int, expert_threads, 1, "torch threads per spawned expert process");
 ABSL_FLAG(bool, blas_probe, true,
           "with BLIS and no BLIS_ARCH_TYPE set: time the kernel sets this CPU supports and keep "
           "the fastest (spawned expert processes inherit the choice)");
+ABSL_FLAG(bool, split_products, true,
+          "with more than one thread: compute a group's experts side by side, each product on "
+          "one thread, instead of one after another with each product split across the "
+          "threads");
 ABSL_FLAG(bool, profile, false,
           "time each step by category (attention, routing, experts, RPC, optimizer, ...), after "
           "3 warm-up steps; prints a table at the end and writes <out_dir>/profile.md");
@@ -444,6 +449,7 @@ absl::Status Run() {
   compute_options.probe_kernels = absl::GetFlag(FLAGS_blas_probe);
   compute_options.kernel_cache_file = DefaultKernelCacheFile();
   compute_options.gemm_gflops = absl::GetFlag(FLAGS_gemm_gflops);
+  compute_options.split_products = absl::GetFlag(FLAGS_split_products);
   HIMOE_ASSIGN_OR_RETURN(const ComputeSetup compute, ConfigureCompute(compute_options));
   LogComputeSetup(compute);
   HIMOE_ASSIGN_OR_RETURN(TrainerOptions o, OptionsFromFlags());
@@ -550,6 +556,7 @@ int main(int argc, char** argv) {
       "Usage: himoe-trainer [--experts=local|cluster|inprocess] [--cluster=FILE] "
       "[--data=PATHS] [--out_dir=DIR] [flags]");
   google::InitGoogleLogging(argv[0]);
+  himoe::PrintStackOnCrash();
   FLAGS_logtostderr = true;
   const absl::Status status = himoe::trainer::Run();
   if (!status.ok()) {

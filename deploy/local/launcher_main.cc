@@ -404,6 +404,7 @@ int Main(int argc, char** argv) {
   ParseCommandLine(argc, argv,
                    "Starts every expert group of a cluster file and the router on this machine.\n"
                    "  himoe-cluster --cluster deploy/local/cluster.textproto");
+  PrintStackOnCrash();
   BlockStopSignals(/*watch_children=*/true);
   Launcher l;
   if (absl::Status s = Validate(l); !s.ok()) {

@@ -1,5 +1,6 @@
 #include "expert_service/expert_group.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -151,6 +152,71 @@ TEST_P(ExpertGroupForwardTest, Bf16GroupComputesInBf16) {
   auto want = (*f32)->Forward(rows, at::tensor({0, 1, 2, 0}, at::kLong));
   ASSERT_TRUE(want.ok());
   EXPECT_TRUE(at::allclose(out->to(at::kFloat), *want, 5e-2, 5e-2));
+}
+
+// The experts' products split across threads (GroupedExpertFfn): the output
+// and every gradient equal the hand-written FFN of each row's expert, at 1
+// and 2 threads, for rows sorted by expert (as the backends send them) and
+// shuffled, with one expert given no rows (its gradients are zero), and with
+// rows that need no gradient (only the weights do).
+TEST(ExpertGroupTest, ExpertsSplitAcrossThreadsMatchEachRowsOwnExpert) {
+  const int saved_threads = at::get_num_threads();
+  at::manual_seed(7);
+  const at::Tensor rows = at::randn({24, 8});
+  const at::Tensor weights = at::randn({24, 8});
+  std::vector<int64_t> sorted_ids(24, 3);
+  std::fill(sorted_ids.begin() + 10, sorted_ids.end(), 5);  // expert 4 gets nothing
+  const at::Tensor shuffle = at::randperm(24);
+  for (const int threads : {1, 2}) {
+    for (const bool shuffled : {false, true}) {
+      for (const bool rows_need_grad : {true, false}) {
+        SCOPED_TRACE(testing::Message() << threads << " threads, shuffled " << shuffled
+                                        << ", rows need grad " << rows_need_grad);
+        at::set_num_threads(threads);
+        auto group = ExpertGroup::Create(Shape(), 1, 2, kCpu);
+        ASSERT_TRUE(group.ok());
+        at::Tensor ids = at::tensor(sorted_ids, at::kLong);
+        at::Tensor x = rows.clone();
+        if (shuffled) {
+          ids = ids.index_select(0, shuffle);
+          x = x.index_select(0, shuffle);
+        }
+        x.requires_grad_(rows_need_grad);
+        auto out = (*group)->Forward(x, ids);
+        ASSERT_TRUE(out.ok()) << out.status();
+        (*out * weights).sum().backward();
+
+        std::vector<at::Tensor> p;
+        for (const at::Tensor& t : (*group)->parameters()) {
+          p.push_back(t.detach().clone().requires_grad_(true));
+        }
+        const at::Tensor ref_rows = x.detach().clone().requires_grad_(true);
+        at::Tensor loss = at::zeros({});
+        for (int64_t r = 0; r < 24; ++r) {
+          const int64_t e = ids[r].item<int64_t>() - 3;
+          const at::Tensor h = at::mv(p[0][e], ref_rows[r]) + p[1][e];
+          const at::Tensor gelu = 0.5 * h * (1 + at::erf(h / std::sqrt(2.0)));
+          const at::Tensor y = at::mv(p[2][e], gelu) + p[3][e];
+          EXPECT_TRUE(at::allclose((*out)[r], y, 1e-5, 1e-6)) << "row " << r;
+          loss = loss + (y * weights[r]).sum();
+        }
+        loss.backward();
+        if (rows_need_grad) {
+          EXPECT_TRUE(at::allclose(x.grad(), ref_rows.grad(), 1e-5, 1e-6));
+        } else {
+          EXPECT_FALSE(x.grad().defined());
+        }
+        for (size_t i = 0; i < 4; ++i) {
+          const at::Tensor got = (*group)->parameters()[i].grad();
+          EXPECT_TRUE(at::allclose(got, p[i].grad(), 1e-5, 1e-6))
+              << (*group)->named_parameters()[i].first;
+          EXPECT_TRUE(got[1].eq(0).all().item<bool>()) << "expert 4 had no rows";
+          EXPECT_GT(got[0].abs().sum().item<double>(), 0);
+        }
+      }
+    }
+  }
+  at::set_num_threads(saved_threads);
 }
 
 INSTANTIATE_TEST_SUITE_P(GemmAndRowwise, ExpertGroupForwardTest,

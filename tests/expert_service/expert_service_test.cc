@@ -119,6 +119,40 @@ std::string BytesOf(grpc::ByteBuffer* buffer) {
   return bytes;
 }
 
+// Keeps one worker of `pool` busy from construction until Release().
+class BusyWorker {
+ public:
+  explicit BusyWorker(ComputePool& pool) : released_(release_.get_future().share()) {
+    std::future<void> running = started_.get_future();
+    ok_ = pool.Submit([this, released = released_] {
+              started_.set_value();
+              released.wait();
+            }).ok();
+    if (ok_) running.wait();
+  }
+  ~BusyWorker() { Release(); }
+  bool ok() const { return ok_; }
+  void Release() {
+    if (!done_) release_.set_value();
+    done_ = true;
+  }
+
+ private:
+  std::promise<void> started_, release_;
+  std::shared_future<void> released_;
+  bool ok_ = false, done_ = false;
+};
+
+// A server whose compute pool has one worker and `max_queue` queue slots.
+std::unique_ptr<ExpertServer> StartWithOneWorker(int max_queue) {
+  ExpertServerOptions options;
+  options.core = CoreOptions();
+  options.compute = ComputePoolOptions{1, max_queue, "--max_queue"};
+  auto server = ExpertServer::Start(options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? std::move(*server) : nullptr;
+}
+
 class ExpertServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -600,21 +634,12 @@ TEST_F(ExpertServiceTest, AnUnparsableStateChunkIsInvalidArgumentAndAppliesNothi
 // slot taken, a Forward is RESOURCE_EXHAUSTED at once naming the limit; the
 // queued one is computed once the worker is free, and serving goes on.
 TEST_F(ExpertServiceTest, AFullComputeQueueIsResourceExhaustedThenServingGoesOn) {
-  ExpertServerOptions options;
-  options.core = CoreOptions();
-  options.compute = ComputePoolOptions{1, 1, "--max_queue"};
-  auto server = ExpertServer::Start(options);
-  ASSERT_TRUE(server.ok()) << server.status();
+  std::unique_ptr<ExpertServer> server = StartWithOneWorker(1);
+  ASSERT_NE(server, nullptr);
   auto stub = v1::ExpertService::NewStub(
-      grpc::CreateChannel((*server)->address(), grpc::InsecureChannelCredentials()));
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
-  std::promise<void> started;
-  ASSERT_TRUE((*server)->compute_pool().Submit([&started, released] {
-    started.set_value();
-    released.wait();
-  }).ok());
-  started.get_future().wait();  // the worker is busy
+      grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  BusyWorker busy(server->compute_pool());
+  ASSERT_TRUE(busy.ok());
 
   const v1::ExpertForwardRequest request = MakeRequest(1, {{2, at::randn({3, kD})}});
   v1::ExpertForwardResponse queued_response;
@@ -622,10 +647,10 @@ TEST_F(ExpertServiceTest, AFullComputeQueueIsResourceExhaustedThenServingGoesOn)
   std::promise<grpc::Status> queued;
   stub->async()->Forward(&queued_context, &request, &queued_response,
                          [&queued](grpc::Status s) { queued.set_value(std::move(s)); });
-  for (int i = 0; i < 1000 && (*server)->compute_pool().queued() == 0; ++i) {
+  for (int i = 0; i < 1000 && server->compute_pool().queued() == 0; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  ASSERT_EQ((*server)->compute_pool().queued(), 1);
+  ASSERT_EQ(server->compute_pool().queued(), 1);
 
   grpc::ClientContext context;
   v1::ExpertForwardResponse response;
@@ -634,9 +659,9 @@ TEST_F(ExpertServiceTest, AFullComputeQueueIsResourceExhaustedThenServingGoesOn)
   EXPECT_EQ(full.error_message(),
             "compute queue full: 1 requests waiting for 1 busy worker(s) (--max_queue = 1); "
             "retry later");
-  EXPECT_EQ((*server)->compute_pool().rejected(), 1);
+  EXPECT_EQ(server->compute_pool().rejected(), 1);
 
-  release.set_value();
+  busy.Release();
   const grpc::Status done = queued.get_future().get();
   ASSERT_TRUE(done.ok()) << done.error_message();
   grpc::ClientContext again;
@@ -645,17 +670,104 @@ TEST_F(ExpertServiceTest, AFullComputeQueueIsResourceExhaustedThenServingGoesOn)
   EXPECT_EQ(BytesOfMessage(queued_response), BytesOfMessage(alone));
 }
 
+// GetState's snapshot and SetState's apply run on the compute pool, in its
+// FIFO order: with the one worker busy both wait (SetState has applied
+// nothing), one more call is RESOURCE_EXHAUSTED naming the limit, and once the
+// worker frees, GetState gives the weights from before the SetState that was
+// queued after it, and SetState then applies its own.
+TEST_F(ExpertServiceTest, StateCallsRunOnTheComputePoolInTheirOrder) {
+  std::unique_ptr<ExpertServer> server = StartWithOneWorker(2);
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::ExpertService::NewStub(
+      grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  ComputePool& pool = server->compute_pool();
+  const auto wait_queued = [&pool](int64_t n) {
+    for (int i = 0; i < 1000 && pool.queued() < n; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return pool.queued();
+  };
+  const auto tensor_of = [](const v1::StateChunk& chunk) {
+    v1::Tensor t;
+    t.set_dtype(chunk.dtype());
+    *t.mutable_shape() = chunk.shape();
+    t.set_data(chunk.data());
+    return Decode(t);
+  };
+  auto own = server->core()->GetState();
+  ASSERT_TRUE(own.ok()) << own.status();
+  auto other = ExpertServiceCore::Create(CoreOptions(/*seed=*/7));
+  ASSERT_TRUE(other.ok());
+  auto other_state = (*other)->GetState();
+  ASSERT_TRUE(other_state.ok());
+  ASSERT_EQ(own->size(), other_state->size());
+  ASSERT_FALSE(at::equal((*own)[0].second, (*other_state)[0].second));
+
+  BusyWorker busy(pool);
+  ASSERT_TRUE(busy.ok());
+
+  std::vector<v1::StateChunk> got;
+  grpc::Status get_status;
+  std::thread getter([&] {
+    grpc::ClientContext context;
+    auto reader = stub->GetState(&context, v1::GetStateRequest());
+    v1::StateChunk chunk;
+    while (reader->Read(&chunk)) got.push_back(chunk);
+    get_status = reader->Finish();
+  });
+  ASSERT_EQ(wait_queued(1), 1);
+  v1::SetStateResponse set_response;
+  grpc::Status set_status;
+  std::thread setter([&] {
+    grpc::ClientContext context;
+    auto writer = stub->SetState(&context, &set_response);
+    for (const v1::StateChunk& chunk : ChunksOf(*other_state, 100)) {
+      if (!writer->Write(chunk)) break;
+    }
+    writer->WritesDone();
+    set_status = writer->Finish();
+  });
+  EXPECT_EQ(wait_queued(2), 2);
+  auto waiting = server->core()->GetState();
+  ASSERT_TRUE(waiting.ok());
+  for (size_t i = 0; i < own->size(); ++i) {
+    EXPECT_TRUE(at::equal((*waiting)[i].second, (*own)[i].second)) << (*own)[i].first;
+  }
+
+  grpc::ClientContext full_context;
+  auto full_reader = stub->GetState(&full_context, v1::GetStateRequest());
+  v1::StateChunk none;
+  EXPECT_FALSE(full_reader->Read(&none));
+  const grpc::Status full = full_reader->Finish();
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(full.error_message(),
+            "compute queue full: 2 requests waiting for 1 busy worker(s) (--max_queue = 2); "
+            "retry later");
+
+  busy.Release();
+  getter.join();
+  setter.join();
+  ASSERT_TRUE(get_status.ok()) << get_status.error_message();
+  ASSERT_EQ(got.size(), own->size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].name(), (*own)[i].first);
+    EXPECT_TRUE(at::equal(tensor_of(got[i]), (*own)[i].second)) << got[i].name();
+  }
+  ASSERT_TRUE(set_status.ok()) << set_status.error_message();
+  EXPECT_EQ(set_response.tensors(), static_cast<int32_t>(other_state->size()));
+  auto after = server->core()->GetState();
+  ASSERT_TRUE(after.ok());
+  for (size_t i = 0; i < after->size(); ++i) {
+    EXPECT_TRUE(at::equal((*after)[i].second, (*other_state)[i].second))
+        << (*other_state)[i].first;
+  }
+}
+
 // A call whose deadline passes while it waits for a compute worker is not
 // computed.
 TEST_F(ExpertServiceTest, ACallThatExpiredWaitingForComputeIsNotComputed) {
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
-  std::promise<void> started;
-  ASSERT_TRUE(server_->compute_pool().Submit([&started, released] {
-    started.set_value();
-    released.wait();
-  }).ok());
-  started.get_future().wait();
+  BusyWorker busy(server_->compute_pool());
+  ASSERT_TRUE(busy.ok());
   const int64_t before = server_->core()->counters().forward_requests;
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
@@ -666,7 +778,7 @@ TEST_F(ExpertServiceTest, ACallThatExpiredWaitingForComputeIsNotComputed) {
   // The server's deadline is the client's plus the request's transit (it
   // receives a relative timeout): let that pass too before the worker frees.
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  release.set_value();
+  busy.Release();
   // The queued call ran to its deadline check; the core never saw it.
   for (int i = 0; i < 1000 && server_->compute_pool().completed() < 2; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));

@@ -41,7 +41,7 @@ TEST(ReferencePresetTest, PresetSetsEveryReleasedRowAndPaperClearsThem) {
   RoutingConfig c = Reference(RoutingMethod::kHiMoe, 8, 4, 1);
   EXPECT_EQ(c.capacity_rounding, CapacityRounding::kReleased);
   EXPECT_EQ(c.flat_load, FlatLoadForm::kReleased);
-  EXPECT_TRUE(c.grouped_z_loss);
+  EXPECT_TRUE(c.released_z_loss);
   EXPECT_TRUE(c.router_scale);
   EXPECT_EQ(c.second_choice_threshold, 0.2);
   EXPECT_TRUE(c.sigmoid_scores);
@@ -49,7 +49,7 @@ TEST(ReferencePresetTest, PresetSetsEveryReleasedRowAndPaperClearsThem) {
   ASSERT_TRUE(ApplyPreset("paper", &c).ok());
   EXPECT_EQ(c.capacity_rounding, CapacityRounding::kCeil);
   EXPECT_EQ(c.flat_load, FlatLoadForm::kPaper);
-  EXPECT_FALSE(c.grouped_z_loss);
+  EXPECT_FALSE(c.released_z_loss);
   EXPECT_FALSE(c.router_scale);
   EXPECT_EQ(c.second_choice_threshold, 0.0);
   EXPECT_FALSE(c.sigmoid_scores);
@@ -101,15 +101,27 @@ double HandZLoss(const Matrix& g, double c_z) {
   return c_z * sum / g.size();
 }
 
-TEST(ReferencePresetTest, ZLossOnTheGroupedMethods) {
-  for (const RoutingMethod method : {RoutingMethod::kMoge, RoutingMethod::kHiMoe}) {
+// The released configs of vanilla, moge and himoe all set the z-loss
+// (config/examples/train_nano_moe_{vanilla,groups,himoe}.py, c_z 0.001);
+// loss_free has none, and st_moe has it under either preset.
+TEST(ReferencePresetTest, ZLossOnTheMethodsWhoseReleasedConfigsSetIt) {
+  for (const RoutingMethod method :
+       {RoutingMethod::kVanilla, RoutingMethod::kMoge, RoutingMethod::kHiMoe}) {
     RoutingConfig c = Reference(method, 8, 4, 1);
     const RoutingOutput out = MustRoute(*MakeRouter(c), ToTensor(kLogits), false);
     EXPECT_NEAR(out.losses.z.item<double>(), HandZLoss(kLogits, 0.001), 1e-12)
         << RoutingMethodName(method);
-    c.grouped_z_loss = false;
-    EXPECT_EQ(MustRoute(*MakeRouter(c), ToTensor(kLogits), false).losses.z.item<double>(), 0.0);
+    c.released_z_loss = false;
+    EXPECT_EQ(MustRoute(*MakeRouter(c), ToTensor(kLogits), false).losses.z.item<double>(), 0.0)
+        << RoutingMethodName(method);
   }
+  const RoutingConfig loss_free = Reference(RoutingMethod::kLossFree, 8, 4, 1);
+  EXPECT_EQ(
+      MustRoute(*MakeRouter(loss_free), ToTensor(kLogits), false).losses.z.item<double>(), 0.0);
+  RoutingConfig st_moe = Reference(RoutingMethod::kStMoe, 8, 4, 1);
+  st_moe.released_z_loss = false;
+  EXPECT_NEAR(MustRoute(*MakeRouter(st_moe), ToTensor(kLogits), false).losses.z.item<double>(),
+              HandZLoss(kLogits, 0.001), 1e-12);
 }
 
 TEST(ReferencePresetTest, RouterScaleMultipliesRenormalizedWeightsAndLearns) {

@@ -119,7 +119,7 @@ using Ids = std::vector<std::vector<int64_t>>;
 // here and checked one by one, by hand, in reference_preset_test.cc.
 inline absl::Status ApplyOraclePreset(const std::string& preset, RoutingConfig* config) {
   const absl::Status status = ApplyPreset(preset, config);
-  config->grouped_z_loss = false;
+  config->released_z_loss = false;
   config->router_scale = false;
   config->flat_load = FlatLoadForm::kPaper;
   config->second_choice_threshold = 0;

@@ -1,0 +1,29 @@
+#ifndef HIMOE_COMMON_PARALLEL_FOR_H_
+#define HIMOE_COMMON_PARALLEL_FOR_H_
+
+#include <cstdint>
+#include <functional>
+
+namespace himoe {
+
+// Runs fn(i) for every i in [0, n) on up to `threads` threads of the OpenMP
+// pool LibTorch and BLIS share, each index on one thread, in contiguous
+// blocks (static schedule). Inside fn a product is single-threaded (a nested
+// OpenMP region is inactive), so this splits independent products across the
+// threads where BLIS would split each small product. Runs inline when n or
+// threads is 1 or when already inside a parallel region. An exception thrown
+// by fn is rethrown here (the first one) after every thread is done.
+void ParallelFor(int64_t n, int threads, const std::function<void(int64_t)>& fn);
+
+// Off: ParallelFor runs every index inline, so each product takes all the
+// threads instead (the behaviour before ParallelFor; for comparisons). On by
+// default; ConfigureCompute sets it from ComputeOptions::split_products.
+void SetParallelForEnabled(bool enabled);
+bool ParallelForEnabled();
+
+// True inside a ParallelFor (or any OpenMP parallel region) with > 1 thread.
+bool InParallelRegion();
+
+}  // namespace himoe
+
+#endif  // HIMOE_COMMON_PARALLEL_FOR_H_
