@@ -29,6 +29,10 @@ absl::Status ValidateExpertShape(const v1::ExpertShape& s) {
     return absl::InvalidArgumentError(absl::StrCat(
         "expert shape: dtype must be float32 or bfloat16, got ", v1::DType_Name(s.dtype())));
   }
+  if (!v1::WeightInit_IsValid(s.init())) return invalid("init", "default or switch", s.init());
+  if (s.init() == v1::WEIGHT_INIT_SWITCH && s.n_layer() < 1) {
+    return invalid("n_layer", ">= 1 (the transformer's depth) under init switch", s.n_layer());
+  }
   return absl::OkStatus();
 }
 
@@ -43,6 +47,10 @@ v1::ExpertShape ExpertShapeFromCluster(const v1::ClusterConfig& cluster) {
   s.set_seed(m.seed());
   s.set_dtype(ParseExpertDtype(m.expert_dtype().empty() ? "float32" : m.expert_dtype())
                   .value_or(v1::DTYPE_UNSPECIFIED));
+  // An unknown name reads as an invalid enum value, which validation names.
+  s.set_init(ParseWeightInit(m.init().empty() ? "default" : m.init())
+                 .value_or(static_cast<v1::WeightInit>(-1)));
+  s.set_n_layer(m.n_layer());
   return s;
 }
 
@@ -64,6 +72,24 @@ std::string ExpertDtypeName(v1::DType dtype) {
   }
 }
 
+absl::StatusOr<v1::WeightInit> ParseWeightInit(absl::string_view name) {
+  if (name == "default") return v1::WEIGHT_INIT_DEFAULT;
+  if (name == "switch") return v1::WEIGHT_INIT_SWITCH;
+  return absl::InvalidArgumentError(
+      absl::StrCat("init: expected default or switch, got '", name, "'"));
+}
+
+std::string WeightInitName(v1::WeightInit init) {
+  switch (init) {
+    case v1::WEIGHT_INIT_DEFAULT:
+      return "default";
+    case v1::WEIGHT_INIT_SWITCH:
+      return "switch";
+    default:
+      return absl::StrCat(static_cast<int>(init));
+  }
+}
+
 namespace {
 
 std::string FieldValue(const v1::ExpertShape& s, const google::protobuf::FieldDescriptor* f) {
@@ -76,6 +102,9 @@ std::string FieldValue(const v1::ExpertShape& s, const google::protobuf::FieldDe
     case google::protobuf::FieldDescriptor::CPPTYPE_UINT64:
       return absl::StrCat(r->GetUInt64(s, f));
     case google::protobuf::FieldDescriptor::CPPTYPE_ENUM:
+      if (f->enum_type() == v1::WeightInit_descriptor()) {
+        return WeightInitName(static_cast<v1::WeightInit>(r->GetEnumValue(s, f)));
+      }
       return ExpertDtypeName(static_cast<v1::DType>(r->GetEnumValue(s, f)));
     default:
       return "?";
@@ -104,7 +133,11 @@ absl::Status CheckExpertShape(const v1::ExpertShape& expected, const v1::ExpertS
 std::string ExpertShapeDebugString(const v1::ExpertShape& s) {
   return absl::StrCat("N=", s.num_experts(), " M=", s.num_groups(), " layers=", s.num_layers(),
                       " d_model=", s.d_model(), " d_ff=", s.d_ff(), " seed=", s.seed(), " ",
-                      ExpertDtypeName(s.dtype()));
+                      ExpertDtypeName(s.dtype()),
+                      s.init() == v1::WEIGHT_INIT_DEFAULT
+                          ? ""
+                          : absl::StrCat(" init=", WeightInitName(s.init()), " n_layer=",
+                                         s.n_layer()));
 }
 
 }  // namespace himoe

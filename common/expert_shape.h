@@ -13,7 +13,8 @@ namespace himoe {
 
 // The one place that knows which values an ExpertShape may hold.
 // InvalidArgument naming the field: N, M >= 1, M divides N, num_layers,
-// d_model, d_ff >= 1, dtype FLOAT32 or BFLOAT16.
+// d_model, d_ff >= 1, dtype FLOAT32 or BFLOAT16, n_layer >= 1 under
+// WEIGHT_INIT_SWITCH.
 absl::Status ValidateExpertShape(const v1::ExpertShape& shape);
 
 // The cluster file's model section as an ExpertShape (not validated).
@@ -23,13 +24,18 @@ v1::ExpertShape ExpertShapeFromCluster(const v1::ClusterConfig& cluster);
 absl::StatusOr<v1::DType> ParseExpertDtype(absl::string_view name);
 std::string ExpertDtypeName(v1::DType dtype);
 
+// "default" / "switch" (the flags' and the cluster file's spelling).
+absl::StatusOr<v1::WeightInit> ParseWeightInit(absl::string_view name);
+std::string WeightInitName(v1::WeightInit init);
+
 // The Info handshake: OK when `served` (what a service says it holds) equals
 // `expected`; else FailedPrecondition naming every field that differs,
 // "<where> serves seed 7, dtype bfloat16; the model needs seed 1, dtype float32".
 absl::Status CheckExpertShape(const v1::ExpertShape& expected, const v1::ExpertShape& served,
                               absl::string_view where);
 
-// "N=8 M=4 layers=2 d_model=64 d_ff=256 seed=0 float32".
+// "N=8 M=4 layers=2 d_model=64 d_ff=256 seed=0 float32", then
+// " init=switch n_layer=4" under WEIGHT_INIT_SWITCH.
 std::string ExpertShapeDebugString(const v1::ExpertShape& shape);
 
 }  // namespace himoe

@@ -16,6 +16,7 @@
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "common/torch_runtime.h"
+#include "common/weight_init.h"
 
 namespace himoe::expert {
 namespace {
@@ -173,6 +174,16 @@ absl::StatusOr<std::unique_ptr<ExpertGroup>> ExpertGroup::Create(const v1::Exper
     for (int s = 0; s < group->experts_per_group(); ++s) {
       at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(
           ExpertSeed(shape.seed(), layer, group->first_expert() + s));
+      if (shape.init() == v1::WEIGHT_INIT_SWITCH) {
+        at::Tensor a = at::empty({d_ff, d}), b = at::empty({d, d_ff});
+        SwitchInit_(a, d, gen);
+        b.normal_(0.0, ResidualInitStd(shape.n_layer()), gen);
+        w1.push_back(a);
+        b1.push_back(at::zeros({d_ff}));
+        w2.push_back(b);
+        b2.push_back(at::zeros({d}));
+        continue;
+      }
       w1.push_back(Uniform({d_ff, d}, d, gen));
       b1.push_back(Uniform({d_ff}, d, gen));
       w2.push_back(Uniform({d, d_ff}, d_ff, gen));

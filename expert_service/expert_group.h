@@ -18,8 +18,9 @@ namespace himoe::expert {
 
 // The experts [g*S, (g+1)*S) of one MoE layer on one device, S = N/M.
 // Expert e is the FFN  y = W2_e gelu(W1_e x + b1_e) + b2_e  (d -> d_ff -> d).
-// Weights of expert e depend only on (shape.seed, layer, e): every process
-// that builds a group from the same shape holds the same experts.
+// Weights of expert e depend only on (shape.seed, layer, e) and the shape's
+// init (v1::WeightInit): every process that builds a group from the same
+// shape holds the same experts.
 class ExpertGroup {
  public:
   // The one way to build experts. InvalidArgument for an invalid shape

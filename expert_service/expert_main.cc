@@ -35,6 +35,10 @@ ABSL_FLAG(int64_t, d_ff, 256, "expert hidden width");
 ABSL_FLAG(uint64_t, seed, 0, "weight seed; must equal the router's");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda:K");
 ABSL_FLAG(std::string, dtype, "float32", "expert weights: float32 or bfloat16");
+ABSL_FLAG(std::string, init, "default",
+          "fresh weights: default (nn.Linear's uniform) or switch (the released code's "
+          "truncated normal; needs --n_layer)");
+ABSL_FLAG(int32_t, n_layer, 0, "the transformer's depth: W2's init std under --init=switch");
 ABSL_FLAG(int32_t, metrics_port, -1,
           "Prometheus /metrics port; 0 picks a free one, -1 disables metrics");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "interface of the metrics endpoint");
@@ -82,6 +86,10 @@ absl::StatusOr<v1::ExpertShape> ShapeFromFlags() {
     return absl::InvalidArgumentError(absl::StrCat("--", dtype.status().message()));
   }
   shape.set_dtype(*dtype);
+  const auto init = ParseWeightInit(absl::GetFlag(FLAGS_init));
+  if (!init.ok()) return absl::InvalidArgumentError(absl::StrCat("--", init.status().message()));
+  shape.set_init(*init);
+  shape.set_n_layer(absl::GetFlag(FLAGS_n_layer));
   return shape;
 }
 

@@ -85,6 +85,10 @@ absl::Status ValidateModelOptions(const ModelOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model: expert_dtype must be float32 or bfloat16, got ", v1::DType_Name(o.expert_dtype)));
   }
+  if (!v1::WeightInit_IsValid(o.init)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: init must be default or switch, got ", o.init));
+  }
   return absl::OkStatus();
 }
 
@@ -103,6 +107,10 @@ double TrainingFlopsPerToken(const ModelOptions& o) {
   return 6 * macs;
 }
 
+v1::WeightInit InitForPreset(absl::string_view preset) {
+  return preset == "reference" ? v1::WEIGHT_INIT_SWITCH : v1::WEIGHT_INIT_DEFAULT;
+}
+
 v1::ExpertShape ExpertShapeFor(const ModelOptions& o) {
   v1::ExpertShape s;
   s.set_num_experts(o.routing.num_experts);
@@ -112,6 +120,10 @@ v1::ExpertShape ExpertShapeFor(const ModelOptions& o) {
   s.set_d_ff(o.d_ff);
   s.set_seed(o.seed);
   s.set_dtype(o.expert_dtype);
+  if (o.init != v1::WEIGHT_INIT_DEFAULT) {
+    s.set_init(o.init);
+    s.set_n_layer(o.n_layer);
+  }
   return s;
 }
 
@@ -202,6 +214,7 @@ v1::ModelConfig ModelConfigToProto(const ModelOptions& o) {
   m.set_seed(o.seed);
   *m.mutable_routing() = RoutingSettingsToProto(o.routing);
   m.set_expert_dtype(o.expert_dtype);
+  m.set_init(o.init);
   return m;
 }
 
@@ -219,6 +232,7 @@ absl::StatusOr<ModelOptions> ModelOptionsFromProto(const v1::ModelConfig& m) {
   HIMOE_ASSIGN_OR_RETURN(o.routing, RoutingConfigFromProto(m.routing()));
   o.expert_dtype =
       m.expert_dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_FLOAT32 : m.expert_dtype();
+  o.init = m.init();
   return o;
 }
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "himoe/v1/cluster.pb.h"
 #include "himoe/v1/model.pb.h"
 #include "router_service/routing_config.h"
@@ -24,7 +25,13 @@ struct ModelOptions {
   router::RoutingConfig routing;
   uint64_t seed = 1;
   v1::DType expert_dtype = v1::DTYPE_FLOAT32;  // or DTYPE_BFLOAT16
+  // Fresh weights: the model's, the gates' and the experts' (v1::WeightInit).
+  v1::WeightInit init = v1::WEIGHT_INIT_DEFAULT;
 };
+
+// The init a preset implies: WEIGHT_INIT_SWITCH for "reference" (the
+// released configs set use_switch_tfm_init), else WEIGHT_INIT_DEFAULT.
+v1::WeightInit InitForPreset(absl::string_view preset);
 
 // Transformer layer i has an MoE FFN when this returns its MoE index, else -1.
 int MoeIndex(const ModelOptions& options, int layer);

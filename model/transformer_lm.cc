@@ -13,6 +13,7 @@
 #include "common/profile_scope.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
+#include "common/weight_init.h"
 
 namespace himoe::model {
 TransformerLM::TransformerLM(const ModelOptions& o, MoELayers* moe) : options_(o), moe_(moe) {
@@ -36,18 +37,26 @@ TransformerLM::TransformerLM(const ModelOptions& o, MoELayers* moe) : options_(o
     blocks_.push_back(b);
   }
   ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
-  // nanoGPT init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer).
+  // v1::WeightInit: nanoGPT's N(0, 0.02), or the switch init for the
+  // linear weights and the tied head; residual projections either way.
   torch::NoGradGuard no_grad;
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
   for (auto& item : named_parameters()) {
     const std::string& name = item.key();
     at::Tensor& t = item.value();
     if (name.find("ln") != std::string::npos) continue;  // LayerNorm keeps 1 / 0
     if (name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0) {
       t.zero_();
+      continue;
+    }
+    const bool residual = name.find("proj.weight") != std::string::npos ||
+                          name.find("fc_out.weight") != std::string::npos;
+    if (residual) {
+      t.normal_(0.0, ResidualInitStd(o.n_layer));
+    } else if (o.init == v1::WEIGHT_INIT_SWITCH && name != "wpe.weight") {
+      SwitchInit_(t, t.size(1), gen);
     } else {
-      const bool residual = name.find("proj.weight") != std::string::npos ||
-                            name.find("fc_out.weight") != std::string::npos;
-      t.normal_(0.0, residual ? 0.02 / std::sqrt(2.0 * o.n_layer) : 0.02);
+      t.normal_(0.0, 0.02);
     }
   }
 }

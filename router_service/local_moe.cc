@@ -40,6 +40,7 @@ absl::StatusOr<std::unique_ptr<LocalMoE>> LocalMoE::Create(
   router_options.d_model = shape.d_model();
   router_options.seed = RouterSeedFor(shape.seed(), options.layer);
   router_options.device = options.device;
+  router_options.init = shape.init();
   HIMOE_ASSIGN_OR_RETURN(moe->router_, RouterLayer::Create(router_options));
   for (int g = 0; g < shape.num_groups(); ++g) {
     HIMOE_ASSIGN_OR_RETURN(auto group,

@@ -11,6 +11,7 @@
 #include "common/profile_scope.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
+#include "common/weight_init.h"
 #include "router_service/routing_math.h"
 
 namespace himoe::router {
@@ -147,11 +148,13 @@ absl::StatusOr<std::unique_ptr<RouterLayer>> RouterLayer::Create(
   std::unique_ptr<RouterLayer> layer;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(options.seed);
-    // nanoGPT-style N(0, 0.02) init.
-    at::Tensor gate = at::normal(0.0, 0.02, {options.config.num_experts, options.d_model},
-                                 gen, at::dtype(at::kFloat))
-                          .to(options.device)
-                          .set_requires_grad(true);
+    at::Tensor gate = at::empty({options.config.num_experts, options.d_model});
+    if (options.init == v1::WEIGHT_INIT_SWITCH) {
+      SwitchInit_(gate, options.d_model, gen);
+    } else {
+      gate.normal_(0.0, 0.02, gen);
+    }
+    gate = gate.to(options.device).set_requires_grad(true);
     layer.reset(new RouterLayer(options.config, options.d_model, std::move(gate),
                                 options.seed));
     return absl::OkStatus();

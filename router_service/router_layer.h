@@ -10,6 +10,7 @@
 #include <c10/core/Device.h>
 
 #include "absl/status/statusor.h"
+#include "himoe/v1/model.pb.h"
 #include "router_service/routing_config.h"
 #include "router_service/routing_math.h"
 
@@ -89,6 +90,8 @@ struct RouterLayerOptions {
   int64_t d_model = 0;
   uint64_t seed = 0;
   c10::Device device = c10::Device(c10::kCPU);
+  // The gate: N(0, 0.02) by default; SwitchInit_ under WEIGHT_INIT_SWITCH.
+  v1::WeightInit init = v1::WEIGHT_INIT_DEFAULT;
 };
 
 // One MoE layer's router: the gate W_g (d -> N, no bias, fp32) and its state:

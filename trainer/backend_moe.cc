@@ -23,6 +23,7 @@ absl::StatusOr<std::unique_ptr<BackendMoE>> BackendMoE::Create(const model::Mode
     ro.config = o.routing;
     ro.d_model = o.d_model;
     ro.seed = router::RouterSeedFor(o.seed, m);
+    ro.init = o.init;
     HIMOE_ASSIGN_OR_RETURN(auto r, router::RouterLayer::Create(ro));
     moe->routers_.push_back(std::move(r));
   }

@@ -56,6 +56,10 @@ ABSL_FLAG(std::string, format, "auto", "bytes | nanogpt | auto");
 ABSL_FLAG(double, val_fraction, 0.1, "bytes format: share of each file held out");
 ABSL_FLAG(std::string, method, "himoe", "vanilla | st_moe | loss_free | moge | himoe");
 ABSL_FLAG(std::string, preset, "paper", "paper | reference");
+ABSL_FLAG(std::string, init, "",
+          "fresh weights: default (nanoGPT's N(0, 0.02), nn.Linear's for the experts) | switch "
+          "(the released code's truncated normal, scale 0.1); empty = the preset's (reference: "
+          "switch)");
 ABSL_FLAG(double, temperature, 1.0, "T of softmax((g - tau gbar)/T)");
 ABSL_FLAG(double, tau, 0.01, "bias-correction strength");
 ABSL_FLAG(double, ema_beta, 0.9, "EMA factor of the router logits");
@@ -190,6 +194,14 @@ absl::StatusOr<TrainerOptions> OptionsFromFlags() {
   m.block_size = absl::GetFlag(FLAGS_block_size);
   m.moe_every = absl::GetFlag(FLAGS_moe_every);
   m.seed = absl::GetFlag(FLAGS_seed);
+  const std::string init = absl::GetFlag(FLAGS_init);
+  if (init.empty()) {
+    m.init = model::InitForPreset(absl::GetFlag(FLAGS_preset));
+  } else {
+    absl::StatusOr<v1::WeightInit> parsed = ParseWeightInit(init);
+    if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat("--", parsed.status().message()));
+    m.init = *parsed;
+  }
   const std::string data = absl::GetFlag(FLAGS_data);
   o.data.paths = data.empty()
                      ? DefaultCorpusPaths()
@@ -249,6 +261,7 @@ absl::Status UseClusterExperts(TrainerOptions* o) {
   m.d_ff = cluster.model().d_ff();
   m.seed = cluster.model().seed();
   m.expert_dtype = ExpertShapeFromCluster(cluster).dtype();
+  m.init = ExpertShapeFromCluster(cluster).init();
   if (model::NumMoeLayers(m) != cluster.model().num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--cluster: model.num_layers is ", cluster.model().num_layers(), " but this model has ",

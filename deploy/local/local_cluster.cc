@@ -46,6 +46,10 @@ std::vector<std::string> ExpertCommandLine(const std::string& binary,
       absl::StrCat("--threads=", options.threads),
       absl::StrCat("--port_file=", port_file),
   };
+  if (s.init() != v1::WEIGHT_INIT_DEFAULT) {
+    argv.push_back(absl::StrCat("--init=", WeightInitName(s.init())));
+    argv.push_back(absl::StrCat("--n_layer=", s.n_layer()));
+  }
   if (options.tls.enabled()) {
     argv.push_back(absl::StrCat("--tls_ca=", options.tls.ca_file));
     argv.push_back(absl::StrCat("--tls_cert=", options.tls.cert_file));

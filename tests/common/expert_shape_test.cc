@@ -34,6 +34,8 @@ TEST(ExpertShapeTest, ValidShapePassesAndEachBadFieldIsNamed) {
       {[](v1::ExpertShape* s) { s->set_d_model(0); }, "d_model"},
       {[](v1::ExpertShape* s) { s->set_d_ff(-1); }, "d_ff"},
       {[](v1::ExpertShape* s) { s->set_dtype(v1::DTYPE_INT64); }, "dtype"},
+      {[](v1::ExpertShape* s) { s->set_init(static_cast<v1::WeightInit>(9)); }, "init"},
+      {[](v1::ExpertShape* s) { s->set_init(v1::WEIGHT_INIT_SWITCH); }, "n_layer"},
   };
   for (const Case& c : cases) {
     v1::ExpertShape s = Shape();
@@ -54,6 +56,11 @@ TEST(ExpertShapeTest, HandshakeNamesEveryDifferingField) {
   EXPECT_EQ(s.message(),
             "expert group 2 at 127.0.0.1:5 serves seed 7, dtype bfloat16; the model needs "
             "seed 1, dtype float32");
+  v1::ExpertShape released = Shape();
+  released.set_init(v1::WEIGHT_INIT_SWITCH);
+  released.set_n_layer(4);
+  EXPECT_EQ(CheckExpertShape(released, Shape(), "group 1").message(),
+            "group 1 serves init default, n_layer 0; the model needs init switch, n_layer 4");
 }
 
 TEST(ExpertShapeTest, FromClusterFile) {
@@ -66,6 +73,18 @@ TEST(ExpertShapeTest, FromClusterFile) {
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   EXPECT_TRUE(CheckExpertShape(Shape(), ExpertShapeFromCluster(*cluster), "cluster").ok());
   EXPECT_EQ(ExpertShapeDebugString(Shape()), "N=8 M=4 layers=2 d_model=64 d_ff=256 seed=1 float32");
+
+  cluster->mutable_model()->set_init("switch");
+  cluster->mutable_model()->set_n_layer(4);
+  const v1::ExpertShape released = ExpertShapeFromCluster(*cluster);
+  EXPECT_EQ(released.init(), v1::WEIGHT_INIT_SWITCH);
+  EXPECT_EQ(released.n_layer(), 4);
+  EXPECT_EQ(ExpertShapeDebugString(released),
+            "N=8 M=4 layers=2 d_model=64 d_ff=256 seed=1 float32 init=switch n_layer=4");
+  cluster->mutable_model()->set_init("fancy");
+  EXPECT_THAT(std::string(ValidateExpertShape(ExpertShapeFromCluster(*cluster)).message()),
+              HasSubstr("init"));
+  EXPECT_EQ(ParseWeightInit("fancy").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -50,6 +50,35 @@ TEST(ExpertGroupTest, WeightsDependOnlyOnSeedLayerAndExpert) {
   EXPECT_FALSE((*a)->owns(6));
 }
 
+TEST(ExpertGroupTest, SwitchInitIsTheReleasedCodes) {
+  // d 128, d_ff 512, 2 experts: W1 truncated normal of std sqrt(0.1/128) cut
+  // at 2 std (sample std 0.8796 of it), W2 N(0, 0.02/sqrt(2*4)), biases 0.
+  v1::ExpertShape shape;
+  shape.set_num_experts(2);
+  shape.set_num_groups(1);
+  shape.set_num_layers(1);
+  shape.set_d_model(128);
+  shape.set_d_ff(512);
+  shape.set_seed(3);
+  shape.set_dtype(v1::DTYPE_FLOAT32);
+  shape.set_init(v1::WEIGHT_INIT_SWITCH);
+  shape.set_n_layer(4);
+  auto g = ExpertGroup::Create(shape, 0, 0, kCpu);
+  ASSERT_TRUE(g.ok()) << g.status();
+  const std::vector<at::Tensor> p = (*g)->parameters();  // w1, b1, w2, b2
+  const double w1_std = std::sqrt(0.1 / 128), w2_std = 0.02 / std::sqrt(8.0);
+  EXPECT_LE(p[0].abs().max().item<double>(), 2 * w1_std);
+  EXPECT_NEAR(p[0].std().item<double>(), 0.8796 * w1_std, 0.01 * w1_std);
+  EXPECT_NEAR(p[2].std().item<double>(), w2_std, 0.01 * w2_std);
+  EXPECT_GT(p[2].abs().max().item<double>(), 3.5 * w2_std);  // not truncated
+  EXPECT_EQ(p[1].abs().max().item<double>(), 0.0);
+  EXPECT_EQ(p[3].abs().max().item<double>(), 0.0);
+  // Still a function of (seed, layer, expert) alone.
+  auto again = ExpertGroup::Create(shape, 0, 0, kCpu);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(at::equal(p[0], (*again)->parameters()[0]));
+}
+
 TEST(ExpertGroupTest, AnExpertIsTheSameWhateverGroupHoldsIt) {
   // One group of all 6 experts holds group 1's experts 3..5 at rows 3..5.
   v1::ExpertShape whole = Shape();

@@ -29,6 +29,7 @@ ModelOptions Unusual() {
   o.moe_every = 2;
   o.seed = 1234567890123ull;
   o.expert_dtype = v1::DTYPE_BFLOAT16;
+  o.init = v1::WEIGHT_INIT_SWITCH;
   router::RoutingConfig& r = o.routing;
   r.num_experts = 12;
   r.num_groups = 3;
@@ -64,6 +65,7 @@ TEST(ModelConfigTest, EveryFieldSurvivesTheProtoRoundTrip) {
             router::RoutingConfigDebugString(o.routing));
   EXPECT_EQ(back->routing.loss_free_rate, 0.004);
   EXPECT_EQ(back->expert_dtype, v1::DTYPE_BFLOAT16);
+  EXPECT_EQ(back->init, v1::WEIGHT_INIT_SWITCH);
 }
 
 TEST(ModelConfigTest, UnknownNamesAreRefusedNamingTheField) {
@@ -95,6 +97,21 @@ TEST(ModelConfigTest, ExpertShapeOfAModel) {
   EXPECT_EQ(s.d_ff(), 80);
   EXPECT_EQ(s.seed(), 1234567890123ull);
   EXPECT_EQ(s.dtype(), v1::DTYPE_BFLOAT16);
+  EXPECT_EQ(s.init(), v1::WEIGHT_INIT_SWITCH);
+  EXPECT_EQ(s.n_layer(), 6);  // W2's init std needs the transformer's depth
+  // The default init leaves both unset, as shapes written before them.
+  ModelOptions plain = Unusual();
+  plain.init = v1::WEIGHT_INIT_DEFAULT;
+  EXPECT_EQ(ExpertShapeFor(plain).init(), v1::WEIGHT_INIT_DEFAULT);
+  EXPECT_EQ(ExpertShapeFor(plain).n_layer(), 0);
+}
+
+TEST(ModelConfigTest, TheReferencePresetImpliesTheReleasedInit) {
+  EXPECT_EQ(InitForPreset("reference"), v1::WEIGHT_INIT_SWITCH);
+  EXPECT_EQ(InitForPreset("paper"), v1::WEIGHT_INIT_DEFAULT);
+  ModelOptions o = Unusual();
+  o.init = static_cast<v1::WeightInit>(5);
+  EXPECT_THAT(std::string(ValidateModelOptions(o).message()), HasSubstr("init"));
 }
 
 TEST(ModelConfigTest, TrainingFlopsOfTheReleasedConfig) {
