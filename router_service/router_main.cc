@@ -103,14 +103,18 @@ absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& 
 
 // Serving a checkpoint: its routers and routing settings replace the cluster
 // file's, and Generate samples from its LM on the router's own MoE layers.
-// The cluster's experts must have the model's shape (the seed may differ when
-// the checkpoint's expert weights are pushed to them).
+// The cluster's experts must have the model's shape (the seed and the init
+// may differ when the checkpoint's expert weights are pushed to them).
 absl::Status ServeCheckpoint(const v1::ClusterConfig& cluster,
                              std::shared_ptr<const model::CheckpointContents> contents,
                              RouterServerOptions* o) {
   v1::ExpertShape trained = model::ExpertShapeFor(contents->model);
   const v1::ExpertShape served = ExpertShapeFromCluster(cluster);
-  if (absl::GetFlag(FLAGS_load_expert_state)) trained.set_seed(served.seed());
+  if (absl::GetFlag(FLAGS_load_expert_state)) {
+    trained.set_seed(served.seed());
+    trained.set_init(served.init());
+    trained.set_n_layer(served.n_layer());
+  }
   HIMOE_RETURN_IF_ERROR(CheckExpertShape(
       trained, served,
       absl::StrCat("--cluster ", absl::GetFlag(FLAGS_cluster), " (model section)")));
