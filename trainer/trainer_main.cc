@@ -260,8 +260,9 @@ absl::Status UseClusterExperts(TrainerOptions* o) {
   m.d_model = cluster.model().d_model();
   m.d_ff = cluster.model().d_ff();
   m.seed = cluster.model().seed();
-  m.expert_dtype = ExpertShapeFromCluster(cluster).dtype();
-  m.init = ExpertShapeFromCluster(cluster).init();
+  const v1::ExpertShape shape = ExpertShapeFromCluster(cluster);
+  m.expert_dtype = shape.dtype();
+  m.init = shape.init();
   if (model::NumMoeLayers(m) != cluster.model().num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--cluster: model.num_layers is ", cluster.model().num_layers(), " but this model has ",
