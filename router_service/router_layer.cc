@@ -1,6 +1,7 @@
 #include "router_service/router_layer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -149,7 +150,14 @@ absl::StatusOr<std::unique_ptr<RouterLayer>> RouterLayer::Create(
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(options.seed);
     at::Tensor gate = at::empty({options.config.num_experts, options.d_model});
-    if (options.init == v1::WEIGHT_INIT_SWITCH) {
+    if (options.init == v1::WEIGHT_INIT_SWITCH &&
+        options.config.method == RoutingMethod::kLossFree) {
+      // The released LossFreeMoERouter's centroids are a bare Parameter its
+      // _init_weights never visits: kaiming_uniform_(a = sqrt(5)), i.e.
+      // U(-1/sqrt(d), 1/sqrt(d)).
+      const double bound = 1.0 / std::sqrt(static_cast<double>(options.d_model));
+      gate.uniform_(-bound, bound, gen);
+    } else if (options.init == v1::WEIGHT_INIT_SWITCH) {
       SwitchInit_(gate, options.d_model, gen);
     } else {
       gate.normal_(0.0, 0.02, gen);

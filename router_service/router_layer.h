@@ -90,7 +90,8 @@ struct RouterLayerOptions {
   int64_t d_model = 0;
   uint64_t seed = 0;
   c10::Device device = c10::Device(c10::kCPU);
-  // The gate: N(0, 0.02) by default; SwitchInit_ under WEIGHT_INIT_SWITCH.
+  // The gate: N(0, 0.02) by default; under WEIGHT_INIT_SWITCH SwitchInit_,
+  // or for loss_free U(-1/sqrt(d), 1/sqrt(d)) as the released code.
   v1::WeightInit init = v1::WEIGHT_INIT_DEFAULT;
 };
 

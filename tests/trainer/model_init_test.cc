@@ -3,7 +3,8 @@
 // 0.1 leaves it: every linear weight truncated normal of std
 // sqrt(0.1/fan_in) cut at 2 std, the tied head (so the token embedding) too;
 // residual projections N(0, 0.02/sqrt(2 n_layer)); the position embedding
-// N(0, 0.02); the gate like any linear weight.
+// N(0, 0.02); the gate like any linear weight, except loss_free's, whose
+// centroids keep torch's kaiming_uniform_(a = sqrt(5)) = U(-1/sqrt(d), 1/sqrt(d)).
 #include <cmath>
 #include <map>
 #include <memory>
@@ -30,7 +31,8 @@ struct Built {
   std::shared_ptr<model::TransformerLM> lm;
 };
 
-Built Build(v1::WeightInit init) {
+Built Build(v1::WeightInit init,
+            router::RoutingMethod method = router::RoutingMethod::kHiMoe) {
   model::ModelOptions o;
   o.n_layer = 4;
   o.d_model = 128;
@@ -39,6 +41,7 @@ Built Build(v1::WeightInit init) {
   o.d_ff = 512;
   o.routing.num_experts = 8;
   o.routing.num_groups = 4;
+  o.routing.method = method;
   o.init = init;
   Built b;
   ExpertBackendOptions eo;
@@ -72,6 +75,21 @@ TEST(ModelInitTest, SwitchInitDrawsEveryLinearWeightAsTheReleasedCode) {
   EXPECT_NEAR(p.at("wpe.weight").std().item<double>(), 0.02, 0.001);
   EXPECT_GT(p.at("wpe.weight").abs().max().item<double>(), 2 * d_std);  // not truncated
   EXPECT_EQ(p.at("h1_qkv.bias").abs().max().item<double>(), 0.0);
+}
+
+TEST(ModelInitTest, SwitchInitLeavesLossFreeCentroidsKaimingUniform) {
+  const Built b = Build(v1::WEIGHT_INIT_SWITCH, router::RoutingMethod::kLossFree);
+  const auto p = Params(*b.lm);
+  const double bound = 1 / std::sqrt(128.0);  // gain sqrt(2/(1+5)) * sqrt(3/fan_in)
+  for (const std::string name : {"moe0_gate", "moe3_gate"}) {
+    const at::Tensor& t = p.at(name);
+    EXPECT_LE(t.abs().max().item<double>(), bound) << name;
+    EXPECT_GT(t.abs().max().item<double>(), 0.99 * bound) << name;  // 1024 draws reach the edge
+    EXPECT_NEAR(t.std().item<double>(), bound / std::sqrt(3.0), 0.04 * bound) << name;
+  }
+  // Everything else as for the other methods.
+  EXPECT_NEAR(p.at("h0_qkv.weight").std().item<double>(), kTruncatedStd * std::sqrt(0.1 / 128),
+              0.06 * std::sqrt(0.1 / 128));
 }
 
 TEST(ModelInitTest, DefaultInitIsNanoGpts) {
