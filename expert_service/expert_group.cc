@@ -1,5 +1,7 @@
 #include "expert_service/expert_group.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -37,60 +39,49 @@ at::Tensor Uniform(at::IntArrayRef shape, int64_t fan_in, at::Generator& gen) {
   return at::empty(shape, at::dtype(at::kFloat)).uniform_(-bound, bound, gen);
 }
 
-// The experts that have rows, each with its span of the rows sorted by
-// expert: expert `local[j]` owns rows [begin[j], begin[j] + count[j]).
-struct Spans {
-  std::vector<int64_t> local, begin, count;
-};
-
-Spans SpansOf(const std::vector<int64_t>& counts) {
-  Spans spans;
-  int64_t begin = 0;
-  for (size_t s = 0; s < counts.size(); ++s) {
-    if (counts[s] > 0) {
-      spans.local.push_back(static_cast<int64_t>(s));
-      spans.begin.push_back(begin);
-      spans.count.push_back(counts[s]);
-    }
-    begin += counts[s];
-  }
-  return spans;
-}
-
 int ThreadsFor(const at::Tensor& x) { return x.is_cpu() ? at::get_num_threads() : 1; }
 
-// Every expert's FFN (ExpertFfn) on rows `x` sorted by expert, the experts
-// split across the threads, each product on one thread (BLIS splitting one
-// [~500,128]x[128,512] product across 2 threads ran about 260 GFLOP/s where
-// one thread ran 217). Autograd sees one node per group and layer, whose
-// backward is split across the threads the same way. The worker threads
-// take the caller's thread-local state (grad mode, dispatch keys).
+// One chunk per thread where ParallelFor splits; otherwise one chunk.
+int ChunksFor(const at::Tensor& x) {
+  return ParallelForEnabled() && !InParallelRegion() ? ThreadsFor(x) : 1;
+}
+
+// Every expert's FFN (ExpertFfn) on rows `x` sorted by expert, the rows
+// split evenly across the threads (PlanRowChunks), each product on one
+// thread (BLIS splitting one [~500,128]x[128,512] product across 2 threads
+// ran about 260 GFLOP/s where one thread ran 217). Autograd sees one node
+// per group and layer, whose backward is split the same way; an expert
+// whose rows two threads share sums its weight gradients after the join.
+// The worker threads take the caller's thread-local state (grad mode,
+// dispatch keys).
 class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                             const at::Tensor& b2, std::vector<int64_t> counts) {
-    const Spans spans = SpansOf(counts);
+    const auto plan = PlanRowChunks(counts, ChunksFor(x), kMinRowPiece);
     const int64_t d_ff = w1.size(1);
     at::Tensor h = at::empty({x.size(0), d_ff}, x.options());
     at::Tensor a = at::empty_like(h);
     at::Tensor y = at::empty({x.size(0), w2.size(1)}, x.options());
     const at::ThreadLocalState caller;  // grad mode off, as Function::forward set it
-    ParallelFor(static_cast<int64_t>(spans.local.size()), ThreadsFor(x), [&](int64_t j) {
+    ParallelFor(static_cast<int64_t>(plan.size()), ThreadsFor(x), [&](int64_t t) {
       at::ThreadLocalStateGuard same_state(caller);
-      const int64_t s = spans.local[j];
-      const at::Tensor x_s = x.narrow(0, spans.begin[j], spans.count[j]);
-      at::Tensor h_s = h.narrow(0, spans.begin[j], spans.count[j]);
-      at::Tensor a_s = a.narrow(0, spans.begin[j], spans.count[j]);
-      at::Tensor y_s = y.narrow(0, spans.begin[j], spans.count[j]);
-      if (spans.count[j] < RowwiseLinearRows()) {  // Linear's GEMVs
-        h_s.copy_(Linear(x_s, w1[s], b1[s]));
-        at::gelu_out(a_s, h_s);
-        y_s.copy_(Linear(a_s, w2[s], b2[s]));
-      } else {  // at::linear's own product, written in place
-        at::addmm_out(h_s, b1[s], x_s, w1[s].t());
-        at::gelu_out(a_s, h_s);
-        at::addmm_out(y_s, b2[s], a_s, w2[s].t());
+      for (const RowPiece& p : plan[t]) {
+        const int64_t s = p.expert;
+        const at::Tensor x_s = x.narrow(0, p.begin, p.count);
+        at::Tensor h_s = h.narrow(0, p.begin, p.count);
+        at::Tensor a_s = a.narrow(0, p.begin, p.count);
+        at::Tensor y_s = y.narrow(0, p.begin, p.count);
+        if (p.count < RowwiseLinearRows()) {  // Linear's GEMVs
+          h_s.copy_(Linear(x_s, w1[s], b1[s]));
+          at::gelu_out(a_s, h_s);
+          y_s.copy_(Linear(a_s, w2[s], b2[s]));
+        } else {  // at::linear's own product, written in place
+          at::addmm_out(h_s, b1[s], x_s, w1[s].t());
+          at::gelu_out(a_s, h_s);
+          at::addmm_out(y_s, b2[s], a_s, w2[s].t());
+        }
       }
     });
     ctx->save_for_backward({x, w1, w2, h, a});
@@ -102,7 +93,8 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
                                                  torch::autograd::variable_list grads) {
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w1 = saved[1], &w2 = saved[2], &h = saved[3], &a = saved[4];
-    const Spans spans = SpansOf(ctx->saved_data["counts"].toIntVector());
+    const auto plan =
+        PlanRowChunks(ctx->saved_data["counts"].toIntVector(), ChunksFor(x), kMinRowPiece);
     const at::Tensor gy = grads[0].contiguous();
     const bool need_x = ctx->needs_input_grad(0), need_w1 = ctx->needs_input_grad(1),
                need_b1 = ctx->needs_input_grad(2), need_w2 = ctx->needs_input_grad(3),
@@ -113,40 +105,93 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
     at::Tensor gb1 = need_b1 ? at::zeros({w1.size(0), w1.size(1)}, w1.options()) : at::Tensor();
     at::Tensor gw2 = need_w2 ? at::zeros_like(w2) : at::Tensor();
     at::Tensor gb2 = need_b2 ? at::zeros({w2.size(0), w2.size(1)}, w2.options()) : at::Tensor();
+    // A shared expert's weight gradients, per piece: [chunk][piece][gw1, gb1, gw2, gb2].
+    std::vector<std::vector<std::array<at::Tensor, 4>>> partial(plan.size());
+    for (size_t t = 0; t < plan.size(); ++t) partial[t].resize(plan[t].size());
     const at::ThreadLocalState caller;
-    ParallelFor(static_cast<int64_t>(spans.local.size()), ThreadsFor(x), [&](int64_t j) {
+    ParallelFor(static_cast<int64_t>(plan.size()), ThreadsFor(x), [&](int64_t t) {
       at::ThreadLocalStateGuard same_state(caller);
-      const int64_t s = spans.local[j], begin = spans.begin[j], count = spans.count[j];
-      const at::Tensor gy_s = gy.narrow(0, begin, count);
-      if (need_w2) {
-        at::Tensor out = gw2[s];
-        at::mm_out(out, gy_s.t(), a.narrow(0, begin, count));
-      }
-      if (need_b2) {
-        at::Tensor out = gb2[s];
-        at::sum_out(out, gy_s, at::IntArrayRef{0});
-      }
-      if (!need_x && !need_w1 && !need_b1) return;
-      const at::Tensor gh_s =
-          at::gelu_backward(at::mm(gy_s, w2[s]), h.narrow(0, begin, count));
-      if (need_w1) {
-        at::Tensor out = gw1[s];
-        at::mm_out(out, gh_s.t(), x.narrow(0, begin, count));
-      }
-      if (need_b1) {
-        at::Tensor out = gb1[s];
-        at::sum_out(out, gh_s, at::IntArrayRef{0});
-      }
-      if (need_x) {
-        at::Tensor out = gx.narrow(0, begin, count);
-        at::mm_out(out, gh_s, w1[s]);
+      for (size_t i = 0; i < plan[t].size(); ++i) {
+        const RowPiece& p = plan[t][i];
+        std::array<at::Tensor, 4>& part = partial[t][i];
+        // Into the gradient itself when the piece is all of the expert's rows.
+        const auto out = [&](const at::Tensor& grad, int k) {
+          if (p.whole) return grad[p.expert];
+          part[k] = at::empty_like(grad[p.expert]);
+          return part[k];
+        };
+        const at::Tensor gy_s = gy.narrow(0, p.begin, p.count);
+        if (need_w2) {
+          at::Tensor o = out(gw2, 2);
+          at::mm_out(o, gy_s.t(), a.narrow(0, p.begin, p.count));
+        }
+        if (need_b2) {
+          at::Tensor o = out(gb2, 3);
+          at::sum_out(o, gy_s, at::IntArrayRef{0});
+        }
+        if (!need_x && !need_w1 && !need_b1) continue;
+        const at::Tensor gh_s =
+            at::gelu_backward(at::mm(gy_s, w2[p.expert]), h.narrow(0, p.begin, p.count));
+        if (need_w1) {
+          at::Tensor o = out(gw1, 0);
+          at::mm_out(o, gh_s.t(), x.narrow(0, p.begin, p.count));
+        }
+        if (need_b1) {
+          at::Tensor o = out(gb1, 1);
+          at::sum_out(o, gh_s, at::IntArrayRef{0});
+        }
+        if (need_x) {
+          at::Tensor o = gx.narrow(0, p.begin, p.count);
+          at::mm_out(o, gh_s, w1[p.expert]);
+        }
       }
     });
+    for (size_t t = 0; t < plan.size(); ++t) {
+      for (size_t i = 0; i < plan[t].size(); ++i) {
+        const int64_t s = plan[t][i].expert;
+        std::array<at::Tensor*, 4> grad = {&gw1, &gb1, &gw2, &gb2};
+        for (int k = 0; k < 4; ++k) {
+          if (partial[t][i][k].defined()) (*grad[k])[s].add_(partial[t][i][k]);
+        }
+      }
+    }
     return {gx, gw1, gb1, gw2, gb2, at::Tensor()};
   }
 };
 
 }  // namespace
+
+std::vector<std::vector<RowPiece>> PlanRowChunks(const std::vector<int64_t>& counts,
+                                                 int chunks, int64_t min_rows) {
+  chunks = std::max(chunks, 1);
+  std::vector<int64_t> ends;  // ends[s]: one past expert s's last row
+  int64_t total = 0;
+  for (const int64_t c : counts) ends.push_back(total += c);
+  // cuts[i]: the first row of chunk i; cuts[chunks] = total.
+  std::vector<int64_t> cuts(chunks + 1, total);
+  cuts[0] = 0;
+  for (int i = 1; i < chunks; ++i) {
+    int64_t cut = (total * i + chunks / 2) / chunks;
+    const int64_t s = std::upper_bound(ends.begin(), ends.end(), cut) - ends.begin();
+    if (s < static_cast<int64_t>(ends.size())) {
+      const int64_t begin = ends[s] - counts[s], end = ends[s];
+      if (cut - begin < min_rows || end - cut < min_rows) {
+        cut = cut - begin <= end - cut ? begin : end;
+      }
+    }
+    cuts[i] = std::max(cut, cuts[i - 1]);
+  }
+  std::vector<std::vector<RowPiece>> plan(chunks);
+  for (int i = 0; i < chunks; ++i) {
+    for (size_t s = 0; s < counts.size(); ++s) {
+      const int64_t begin = std::max(ends[s] - counts[s], cuts[i]);
+      const int64_t end = std::min(ends[s], cuts[i + 1]);
+      if (end <= begin) continue;
+      plan[i].push_back({static_cast<int64_t>(s), begin, end - begin, end - begin == counts[s]});
+    }
+  }
+  return plan;
+}
 
 at::Tensor ExpertFfn(const at::Tensor& x, const at::Tensor& w1,
                      const at::Tensor& b1, const at::Tensor& w2,

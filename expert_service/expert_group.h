@@ -74,6 +74,30 @@ class ExpertGroup {
   at::Tensor w1_, b1_, w2_, b2_;
 };
 
+// A run of one expert's rows within the rows sorted by expert: local expert
+// `expert` owns rows [begin, begin + count); `whole` when that is all of
+// its rows.
+struct RowPiece {
+  int64_t expert = 0;
+  int64_t begin = 0;
+  int64_t count = 0;
+  bool whole = true;
+  bool operator==(const RowPiece& o) const {
+    return expert == o.expert && begin == o.begin && count == o.count && whole == o.whole;
+  }
+};
+
+// Splits rows sorted by expert (counts[s] rows of local expert s) into
+// `chunks` contiguous chunks of near-equal rows, one per thread, so that the
+// threads finish together however uneven the routing is. A cut inside an
+// expert's rows moves to the nearer end of them when it would leave a piece
+// of fewer than `min_rows` rows there. Experts without rows get no piece.
+// The min_rows GroupedExpertFfn plans with: a product of a few rows costs
+// BLIS most of a full one (it packs the whole weight).
+inline constexpr int64_t kMinRowPiece = 32;
+std::vector<std::vector<RowPiece>> PlanRowChunks(const std::vector<int64_t>& counts,
+                                                 int chunks, int64_t min_rows);
+
 // The expert FFN on rows of one expert: W2 gelu(W1 x + b1) + b2.
 at::Tensor ExpertFfn(const at::Tensor& x, const at::Tensor& w1,
                      const at::Tensor& b1, const at::Tensor& w2,

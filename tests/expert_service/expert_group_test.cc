@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,15 @@ namespace {
 using ::testing::HasSubstr;
 
 const c10::Device kCpu(c10::kCPU);
+
+}  // namespace
+
+void PrintTo(const RowPiece& p, std::ostream* os) {
+  *os << "{expert " << p.expert << ", rows " << p.begin << "+" << p.count
+      << (p.whole ? ", whole}" : ", part}");
+}
+
+namespace {
 
 // M = 2 groups of 3 experts; group 1 holds experts 3, 4, 5.
 v1::ExpertShape Shape(v1::DType dtype = v1::DTYPE_FLOAT32) {
@@ -244,6 +254,76 @@ TEST(ExpertGroupTest, ExpertsSplitAcrossThreadsMatchEachRowsOwnExpert) {
         }
       }
     }
+  }
+  at::set_num_threads(saved_threads);
+}
+
+TEST(PlanRowChunksTest, SplitsRowsEvenlyAcrossChunks) {
+  using P = RowPiece;
+  // 20 and 80 rows in 2 chunks: expert 1 is cut at row 50 (30 + 50 rows).
+  EXPECT_EQ(PlanRowChunks({20, 80}, 2, 16),
+            (std::vector<std::vector<P>>{{{0, 0, 20, true}, {1, 20, 30, false}},
+                                         {{1, 50, 50, false}}}));
+  // An expert without rows gets no piece; 3 chunks of 100 rows cut at 33, 67.
+  EXPECT_EQ(PlanRowChunks({0, 100, 0}, 3, 16),
+            (std::vector<std::vector<P>>{{{1, 0, 33, false}},
+                                         {{1, 33, 34, false}},
+                                         {{1, 67, 33, false}}}));
+  // A cut leaving fewer than min_rows on one side moves to that end: the
+  // cut at 50 is 10 rows into expert 1's rows 40-99, so it moves to 40.
+  EXPECT_EQ(PlanRowChunks({40, 60}, 2, 16),
+            (std::vector<std::vector<P>>{{{0, 0, 40, true}}, {{1, 40, 60, true}}}));
+  // ... and 6 rows before the end of expert 0's rows 0-55, so to 56.
+  EXPECT_EQ(PlanRowChunks({56, 44}, 2, 16),
+            (std::vector<std::vector<P>>{{{0, 0, 56, true}}, {{1, 56, 44, true}}}));
+  // One chunk: every expert whole, as before any split.
+  EXPECT_EQ(PlanRowChunks({3, 0, 5}, 1, 16),
+            (std::vector<std::vector<P>>{{{0, 0, 3, true}, {2, 3, 5, true}}}));
+  // Fewer rows than chunks: the empty chunks have no pieces.
+  EXPECT_EQ(PlanRowChunks({1, 0}, 2, 16),
+            (std::vector<std::vector<P>>{{{0, 0, 1, true}}, {}}));
+}
+
+// Uneven routing at 2 threads: one expert's rows are cut between the
+// threads (PlanRowChunks), and its weight gradients are the sum of both
+// halves. Everything equals the hand-written FFN of each row's expert.
+TEST(ExpertGroupTest, AnExpertSharedByTwoThreadsMatchesEachRowsOwnExpert) {
+  const int saved_threads = at::get_num_threads();
+  at::set_num_threads(2);
+  at::manual_seed(11);
+  const int64_t n = 120;  // expert 3: 20 rows, expert 4: 100 (cut at 60), expert 5: none
+  std::vector<int64_t> sorted_ids(n, 4);
+  std::fill(sorted_ids.begin(), sorted_ids.begin() + 20, 3);
+  ASSERT_EQ(PlanRowChunks({20, 100, 0}, 2, kMinRowPiece)[1].front(), (RowPiece{1, 60, 60, false}));
+  const at::Tensor rows = at::randn({n, 8}).requires_grad_(true);
+  const at::Tensor weights = at::randn({n, 8});
+  const at::Tensor ids = at::tensor(sorted_ids, at::kLong);
+  auto group = ExpertGroup::Create(Shape(), 1, 2, kCpu);
+  ASSERT_TRUE(group.ok());
+  auto out = (*group)->Forward(rows, ids);
+  ASSERT_TRUE(out.ok()) << out.status();
+  (*out * weights).sum().backward();
+  std::vector<at::Tensor> p;
+  for (const at::Tensor& t : (*group)->parameters()) {
+    p.push_back(t.detach().clone().requires_grad_(true));
+  }
+  const at::Tensor ref_rows = rows.detach().clone().requires_grad_(true);
+  at::Tensor loss = at::zeros({});
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t e = sorted_ids[r] - 3;
+    const at::Tensor h = at::mv(p[0][e], ref_rows[r]) + p[1][e];
+    const at::Tensor gelu = 0.5 * h * (1 + at::erf(h / std::sqrt(2.0)));
+    const at::Tensor y = at::mv(p[2][e], gelu) + p[3][e];
+    EXPECT_TRUE(at::allclose((*out)[r], y, 1e-5, 1e-6)) << "row " << r;
+    loss = loss + (y * weights[r]).sum();
+  }
+  loss.backward();
+  EXPECT_TRUE(at::allclose(rows.grad(), ref_rows.grad(), 1e-5, 1e-5));
+  for (size_t i = 0; i < 4; ++i) {
+    const at::Tensor got = (*group)->parameters()[i].grad();
+    EXPECT_TRUE(at::allclose(got, p[i].grad(), 1e-4, 1e-5))
+        << (*group)->named_parameters()[i].first;
+    EXPECT_TRUE(got[2].eq(0).all().item<bool>()) << "expert 5 had no rows";
   }
   at::set_num_threads(saved_threads);
 }
