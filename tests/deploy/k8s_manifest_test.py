@@ -768,7 +768,7 @@ def check_dockerfile(build_dir):
             if "apt-get" in words and "install" in words:
                 pkgs |= {w for w in words[words.index("install") + 1:] if not w.startswith("-")}
     C.check(pkgs, "the runtime stage installs no packages (apt-get install)")
-    for needed in ("fortunes-min", "libblis4-pthread"):
+    for needed in ("fortunes-min", "libblis4-openmp"):
         C.check(needed in pkgs, f"runtime packages lack {needed}")
     if build_dir:
         check_runtime_libraries(build_dir, pkgs)
