@@ -19,6 +19,13 @@ using ::testing::HasSubstr;
 
 const c10::Device kCpu(c10::kCPU);
 
+// The oracle: expert e's FFN on one row x by hand, p = {W1, b1, W2, b2}.
+at::Tensor RowFfn(const std::vector<at::Tensor>& p, int64_t e, const at::Tensor& x) {
+  const at::Tensor h = at::mv(p[0][e], x) + p[1][e];
+  const at::Tensor gelu = 0.5 * h * (1 + at::erf(h / std::sqrt(2.0)));
+  return at::mv(p[2][e], gelu) + p[3][e];
+}
+
 }  // namespace
 
 void PrintTo(const RowPiece& p, std::ostream* os) {
@@ -126,10 +133,8 @@ TEST_P(ExpertGroupForwardTest, AppliesEachRowsOwnExpert) {
   const auto p = (*group)->parameters();
   for (int64_t r = 0; r < 7; ++r) {
     const int64_t e = ids[r].item<int64_t>() - 3;
-    const at::Tensor h = at::mv(p[0][e], rows[r]) + p[1][e];
-    const at::Tensor gelu = 0.5 * h * (1 + at::erf(h / std::sqrt(2.0)));
-    const at::Tensor want = at::mv(p[2][e], gelu) + p[3][e];
-    EXPECT_TRUE(at::allclose((*out)[r], want, 1e-5, 1e-6)) << "row " << r;
+    const at::Tensor y = RowFfn(p, e, rows[r]);
+    EXPECT_TRUE(at::allclose((*out)[r], y, 1e-5, 1e-6)) << "row " << r;
   }
 }
 
@@ -152,9 +157,8 @@ TEST_P(ExpertGroupForwardTest, GradientsMatchEachRowsOwnExpert) {
   at::Tensor loss = at::zeros({});
   for (int64_t r = 0; r < 5; ++r) {
     const int64_t e = ids[r].item<int64_t>() - 3;
-    const at::Tensor h = at::mv(p[0][e], ref_rows[r]) + p[1][e];
-    const at::Tensor gelu = 0.5 * h * (1 + at::erf(h / std::sqrt(2.0)));
-    loss = loss + ((at::mv(p[2][e], gelu) + p[3][e]) * weights[r]).sum();
+    const at::Tensor y = RowFfn(p, e, ref_rows[r]);
+    loss = loss + (y * weights[r]).sum();
   }
   loss.backward();
   EXPECT_TRUE(at::allclose(rows.grad(), ref_rows.grad(), 1e-5, 1e-6));
@@ -233,9 +237,7 @@ TEST(ExpertGroupTest, ExpertsSplitAcrossThreadsMatchEachRowsOwnExpert) {
         at::Tensor loss = at::zeros({});
         for (int64_t r = 0; r < 24; ++r) {
           const int64_t e = ids[r].item<int64_t>() - 3;
-          const at::Tensor h = at::mv(p[0][e], ref_rows[r]) + p[1][e];
-          const at::Tensor gelu = 0.5 * h * (1 + at::erf(h / std::sqrt(2.0)));
-          const at::Tensor y = at::mv(p[2][e], gelu) + p[3][e];
+          const at::Tensor y = RowFfn(p, e, ref_rows[r]);
           EXPECT_TRUE(at::allclose((*out)[r], y, 1e-5, 1e-6)) << "row " << r;
           loss = loss + (y * weights[r]).sum();
         }
@@ -311,9 +313,7 @@ TEST(ExpertGroupTest, AnExpertSharedByTwoThreadsMatchesEachRowsOwnExpert) {
   at::Tensor loss = at::zeros({});
   for (int64_t r = 0; r < n; ++r) {
     const int64_t e = sorted_ids[r] - 3;
-    const at::Tensor h = at::mv(p[0][e], ref_rows[r]) + p[1][e];
-    const at::Tensor gelu = 0.5 * h * (1 + at::erf(h / std::sqrt(2.0)));
-    const at::Tensor y = at::mv(p[2][e], gelu) + p[3][e];
+    const at::Tensor y = RowFfn(p, e, ref_rows[r]);
     EXPECT_TRUE(at::allclose((*out)[r], y, 1e-5, 1e-6)) << "row " << r;
     loss = loss + (y * weights[r]).sum();
   }
