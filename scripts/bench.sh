@@ -5,6 +5,7 @@
 #   scripts/bench.sh soak [scripts/soak.py flags: --seconds 60 --rate 100 ...]
 #   scripts/bench.sh startup [--reps N]
 #   scripts/bench.sh generate [himoe-generate-bench flags]
+#   scripts/bench.sh generate_remote [scripts/generate_remote_bench.py flags]
 #   scripts/bench.sh serve [himoe-serve-bench flags]
 #
 # train: back to back, on the released code's config (4 layers, d 128, block
@@ -20,7 +21,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${HIMOE_BUILD_DIR:-${ROOT}/build}"
 TRAINER="${BUILD}/trainer/himoe-trainer"
 
-usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 
 [[ $# -ge 1 ]] || usage
 mode="$1"; shift
@@ -77,6 +78,13 @@ if [[ "${mode}" == serve ]]; then
     END { printf "| remote / local per token, M 1 to 8: largest / smallest | %.2f / %.2f | %.2f |\n", hi, lo, hi / lo }' \
     | tee -a "${table}"
   exit 0
+fi
+if [[ "${mode}" == generate_remote ]]; then
+  # generate_remote: Generate through 4 himoe-expert processes and
+  # himoe-router --checkpoint, 1 stream vs 8 from an outside grpcio client
+  # (scripts/generate_remote_bench.py); writes runs/bench/generate_remote.md.
+  exec /usr/bin/python3 "${ROOT}/scripts/generate_remote_bench.py" --build "${BUILD}" \
+    --out "${ROOT}/runs/bench/generate_remote.md" "$@"
 fi
 if [[ "${mode}" == generate ]]; then
   # generate: Generate's decoding, KV cache vs full recompute and 8 concurrent

@@ -1,0 +1,142 @@
+#!/usr/bin/python3
+"""Generate through remote experts: 1 stream against --streams concurrent
+streams, from an outside grpcio client, on the cluster file's model (2
+layers, d 256, 8 experts in 4 groups) served by himoe-router --checkpoint
+on 4 himoe-expert processes, all on this host. The checkpoint is the
+trainer's after --train_steps steps on those processes (throughput does
+not depend on training). Alternates 1 and N streams --reps times and writes
+a Markdown table (--out). Needs /usr/bin/python3 with Debian's
+python3-grpcio and python3-grpc-tools.
+
+  /usr/bin/python3 scripts/generate_remote_bench.py --build build \
+      --out runs/bench/generate_remote.md
+"""
+import argparse
+import datetime
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from soak import ROOT, stubs, wait_port_file  # noqa: E402
+
+PROMPT = b"The fortune says"  # 16 bytes, as generate_bench.cc's shortest contexts
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench", "generate_remote.md"))
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--new_tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--train_steps", type=int, default=20)
+    a = ap.parse_args()
+
+    work = tempfile.mkdtemp(prefix="himoe-generate-")
+    router_pb2, router_pb2_grpc, _ = stubs(os.path.join(work, "gen"))
+    model = ["--num_groups=4", "--num_experts=8", "--num_layers=2", "--d_model=256",
+             "--d_ff=1024", "--seed=1", "--threads=1", "--metrics_port=-1"]
+    procs = []
+    try:
+        ports = []
+        for g in range(4):
+            pf = os.path.join(work, f"expert{g}.port")
+            log = open(os.path.join(work, f"expert{g}.log"), "w")
+            procs.append(subprocess.Popen(
+                [os.path.join(a.build, "expert_service", "himoe-expert"),
+                 "--address=127.0.0.1:0", f"--group_id={g}", f"--port_file={pf}"] + model,
+                stdout=log, stderr=log))
+            ports.append(wait_port_file(pf, procs[-1]))
+        cluster = os.path.join(work, "cluster.textproto")
+        with open(cluster, "w") as f:
+            f.write("model { num_layers: 2 d_model: 256 d_ff: 1024 num_experts: 8 "
+                    "num_groups: 4 top_k: 1 seed: 1 }\nrouting { method: \"himoe\" }\n")
+            for p in ports:
+                f.write(f"groups {{ address: \"127.0.0.1:{p}\" }}\n")
+        served = os.path.join(work, "served")
+        with open(os.path.join(work, "train.log"), "w") as log:
+            subprocess.run(
+                [os.path.join(a.build, "trainer", "himoe-trainer"), "--experts=cluster",
+                 f"--cluster={cluster}", "--n_layer=2", f"--steps={a.train_steps}",
+                 f"--checkpoint_every={a.train_steps}", "--eval_every=1000000",
+                 "--threads=1", "--metrics_port=-1", f"--out_dir={served}"],
+                stdout=log, stderr=log, check=True)
+        rpf = os.path.join(work, "router.port")
+        rlog = open(os.path.join(work, "router.log"), "w")
+        procs.append(subprocess.Popen(
+            [os.path.join(a.build, "router_service", "himoe-router"), f"--cluster={cluster}",
+             "--address=127.0.0.1:0", "--threads=1", f"--port_file={rpf}",
+             "--metrics_port=-1", f"--checkpoint={os.path.join(served, 'checkpoints')}"],
+            stdout=rlog, stderr=rlog))
+        port = wait_port_file(rpf, procs[-1])
+        stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+        def run(streams):
+            counts = []
+            lock = threading.Lock()
+
+            def one(seed):
+                req = router_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=a.new_tokens,
+                                                 temperature=0.8, top_k=40, seed=seed)
+                n = sum(1 for _ in stub.Generate(req, timeout=600))
+                with lock:
+                    counts.append(n)
+            threads = [threading.Thread(target=one, args=(s + 1,)) for s in range(streams)]
+            start = time.time()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            took = time.time() - start
+            if len(counts) != streams or min(counts) != a.new_tokens:
+                sys.exit(f"generate_remote_bench: streams got {counts} tokens, "
+                         f"expected {a.new_tokens} each")
+            return sum(counts) / took
+
+        run(1)  # warm
+        rows = []
+        for _ in range(a.reps):
+            one = run(1)
+            many = run(a.streams)
+            rows.append((one, many))
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    shutil.rmtree(work, ignore_errors=True)
+
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
+                if l.startswith("model name")), platform.machine())
+    lines = [f"Measured {datetime.date.today()} on {cpu}, {os.cpu_count()} cores: 4 "
+             "himoe-expert processes (1 thread each), himoe-router --checkpoint (1 thread) "
+             f"and this client on the same host; prompt {len(PROMPT)} bytes, "
+             f"{a.new_tokens} new tokens per stream, temperature 0.8, top-k 40.", "",
+             f"| rep | 1 stream, tokens/s | {a.streams} streams, tokens/s (total) | ratio |",
+             "|---:|---:|---:|---:|"]
+    for i, (one, many) in enumerate(rows, 1):
+        lines.append(f"| {i} | {one:.1f} | {many:.1f} | {many / one:.2f} |")
+    ratios = sorted(m / o for o, m in rows)
+    lines.append(f"| median | | | {ratios[len(ratios) // 2]:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
