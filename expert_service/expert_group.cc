@@ -105,7 +105,9 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
     at::Tensor gb1 = need_b1 ? at::zeros({w1.size(0), w1.size(1)}, w1.options()) : at::Tensor();
     at::Tensor gw2 = need_w2 ? at::zeros_like(w2) : at::Tensor();
     at::Tensor gb2 = need_b2 ? at::zeros({w2.size(0), w2.size(1)}, w2.options()) : at::Tensor();
-    // A shared expert's weight gradients, per piece: [chunk][piece][gw1, gb1, gw2, gb2].
+    enum { kW1, kB1, kW2, kB2 };
+    const std::array<at::Tensor*, 4> weight_grads = {&gw1, &gb1, &gw2, &gb2};
+    // A shared expert's weight gradients, per piece: [chunk][piece][kW1..kB2].
     std::vector<std::vector<std::array<at::Tensor, 4>>> partial(plan.size());
     for (size_t t = 0; t < plan.size(); ++t) partial[t].resize(plan[t].size());
     const at::ThreadLocalState caller;
@@ -115,29 +117,30 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
         const RowPiece& p = plan[t][i];
         std::array<at::Tensor, 4>& part = partial[t][i];
         // Into the gradient itself when the piece is all of the expert's rows.
-        const auto out = [&](const at::Tensor& grad, int k) {
+        const auto out = [&](int k) {
+          const at::Tensor& grad = *weight_grads[k];
           if (p.whole) return grad[p.expert];
           part[k] = at::empty_like(grad[p.expert]);
           return part[k];
         };
         const at::Tensor gy_s = gy.narrow(0, p.begin, p.count);
         if (need_w2) {
-          at::Tensor o = out(gw2, 2);
+          at::Tensor o = out(kW2);
           at::mm_out(o, gy_s.t(), a.narrow(0, p.begin, p.count));
         }
         if (need_b2) {
-          at::Tensor o = out(gb2, 3);
+          at::Tensor o = out(kB2);
           at::sum_out(o, gy_s, at::IntArrayRef{0});
         }
         if (!need_x && !need_w1 && !need_b1) continue;
         const at::Tensor gh_s =
             at::gelu_backward(at::mm(gy_s, w2[p.expert]), h.narrow(0, p.begin, p.count));
         if (need_w1) {
-          at::Tensor o = out(gw1, 0);
+          at::Tensor o = out(kW1);
           at::mm_out(o, gh_s.t(), x.narrow(0, p.begin, p.count));
         }
         if (need_b1) {
-          at::Tensor o = out(gb1, 1);
+          at::Tensor o = out(kB1);
           at::sum_out(o, gh_s, at::IntArrayRef{0});
         }
         if (need_x) {
@@ -148,10 +151,9 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
     });
     for (size_t t = 0; t < plan.size(); ++t) {
       for (size_t i = 0; i < plan[t].size(); ++i) {
-        const int64_t s = plan[t][i].expert;
-        std::array<at::Tensor*, 4> grad = {&gw1, &gb1, &gw2, &gb2};
         for (int k = 0; k < 4; ++k) {
-          if (partial[t][i][k].defined()) (*grad[k])[s].add_(partial[t][i][k]);
+          const at::Tensor& part = partial[t][i][k];
+          if (part.defined()) (*weight_grads[k])[plan[t][i].expert].add_(part);
         }
       }
     }

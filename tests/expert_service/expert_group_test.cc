@@ -26,6 +26,34 @@ at::Tensor RowFfn(const std::vector<at::Tensor>& p, int64_t e, const at::Tensor&
   return at::mv(p[2][e], gelu) + p[3][e];
 }
 
+// The oracle on copies of `rows` and of group 1's parameters (experts 3-5):
+// each row's RowFfn, and their gradients by autograd for the loss
+// sum_r <y_r, weights_r>.
+struct Oracle {
+  std::vector<at::Tensor> ys;
+  at::Tensor rows_grad;
+  std::vector<at::Tensor> param_grads;  // W1, b1, W2, b2
+};
+
+Oracle PerRowOracle(const ExpertGroup& group, const at::Tensor& rows, const at::Tensor& ids,
+                    const at::Tensor& weights) {
+  std::vector<at::Tensor> p;
+  for (const at::Tensor& t : group.parameters()) {
+    p.push_back(t.detach().clone().requires_grad_(true));
+  }
+  const at::Tensor ref_rows = rows.detach().clone().requires_grad_(true);
+  Oracle o;
+  at::Tensor loss = at::zeros({});
+  for (int64_t r = 0; r < rows.size(0); ++r) {
+    o.ys.push_back(RowFfn(p, ids[r].item<int64_t>() - 3, ref_rows[r]));
+    loss = loss + (o.ys.back() * weights[r]).sum();
+  }
+  loss.backward();
+  o.rows_grad = ref_rows.grad();
+  for (const at::Tensor& t : p) o.param_grads.push_back(t.grad());
+  return o;
+}
+
 }  // namespace
 
 void PrintTo(const RowPiece& p, std::ostream* os) {
@@ -149,21 +177,10 @@ TEST_P(ExpertGroupForwardTest, GradientsMatchEachRowsOwnExpert) {
   auto out = (*group)->Forward(rows, ids);
   ASSERT_TRUE(out.ok()) << out.status();
   (*out * weights).sum().backward();
-  std::vector<at::Tensor> p;
-  for (const at::Tensor& t : (*group)->parameters()) {
-    p.push_back(t.detach().clone().requires_grad_(true));
-  }
-  const at::Tensor ref_rows = rows.detach().clone().requires_grad_(true);
-  at::Tensor loss = at::zeros({});
-  for (int64_t r = 0; r < 5; ++r) {
-    const int64_t e = ids[r].item<int64_t>() - 3;
-    const at::Tensor y = RowFfn(p, e, ref_rows[r]);
-    loss = loss + (y * weights[r]).sum();
-  }
-  loss.backward();
-  EXPECT_TRUE(at::allclose(rows.grad(), ref_rows.grad(), 1e-5, 1e-6));
+  const Oracle want = PerRowOracle(**group, rows, ids, weights);
+  EXPECT_TRUE(at::allclose(rows.grad(), want.rows_grad, 1e-5, 1e-6));
   for (size_t i = 0; i < 4; ++i) {
-    EXPECT_TRUE(at::allclose((*group)->parameters()[i].grad(), p[i].grad(), 1e-5, 1e-6))
+    EXPECT_TRUE(at::allclose((*group)->parameters()[i].grad(), want.param_grads[i], 1e-5, 1e-6))
         << (*group)->named_parameters()[i].first;
   }
 }
@@ -229,27 +246,18 @@ TEST(ExpertGroupTest, ExpertsSplitAcrossThreadsMatchEachRowsOwnExpert) {
         ASSERT_TRUE(out.ok()) << out.status();
         (*out * weights).sum().backward();
 
-        std::vector<at::Tensor> p;
-        for (const at::Tensor& t : (*group)->parameters()) {
-          p.push_back(t.detach().clone().requires_grad_(true));
-        }
-        const at::Tensor ref_rows = x.detach().clone().requires_grad_(true);
-        at::Tensor loss = at::zeros({});
+        const Oracle want = PerRowOracle(**group, x, ids, weights);
         for (int64_t r = 0; r < 24; ++r) {
-          const int64_t e = ids[r].item<int64_t>() - 3;
-          const at::Tensor y = RowFfn(p, e, ref_rows[r]);
-          EXPECT_TRUE(at::allclose((*out)[r], y, 1e-5, 1e-6)) << "row " << r;
-          loss = loss + (y * weights[r]).sum();
+          EXPECT_TRUE(at::allclose((*out)[r], want.ys[r], 1e-5, 1e-6)) << "row " << r;
         }
-        loss.backward();
         if (rows_need_grad) {
-          EXPECT_TRUE(at::allclose(x.grad(), ref_rows.grad(), 1e-5, 1e-6));
+          EXPECT_TRUE(at::allclose(x.grad(), want.rows_grad, 1e-5, 1e-6));
         } else {
           EXPECT_FALSE(x.grad().defined());
         }
         for (size_t i = 0; i < 4; ++i) {
           const at::Tensor got = (*group)->parameters()[i].grad();
-          EXPECT_TRUE(at::allclose(got, p[i].grad(), 1e-5, 1e-6))
+          EXPECT_TRUE(at::allclose(got, want.param_grads[i], 1e-5, 1e-6))
               << (*group)->named_parameters()[i].first;
           EXPECT_TRUE(got[1].eq(0).all().item<bool>()) << "expert 4 had no rows";
           EXPECT_GT(got[0].abs().sum().item<double>(), 0);
@@ -305,23 +313,14 @@ TEST(ExpertGroupTest, AnExpertSharedByTwoThreadsMatchesEachRowsOwnExpert) {
   auto out = (*group)->Forward(rows, ids);
   ASSERT_TRUE(out.ok()) << out.status();
   (*out * weights).sum().backward();
-  std::vector<at::Tensor> p;
-  for (const at::Tensor& t : (*group)->parameters()) {
-    p.push_back(t.detach().clone().requires_grad_(true));
-  }
-  const at::Tensor ref_rows = rows.detach().clone().requires_grad_(true);
-  at::Tensor loss = at::zeros({});
+  const Oracle want = PerRowOracle(**group, rows, ids, weights);
   for (int64_t r = 0; r < n; ++r) {
-    const int64_t e = sorted_ids[r] - 3;
-    const at::Tensor y = RowFfn(p, e, ref_rows[r]);
-    EXPECT_TRUE(at::allclose((*out)[r], y, 1e-5, 1e-6)) << "row " << r;
-    loss = loss + (y * weights[r]).sum();
+    EXPECT_TRUE(at::allclose((*out)[r], want.ys[r], 1e-5, 1e-6)) << "row " << r;
   }
-  loss.backward();
-  EXPECT_TRUE(at::allclose(rows.grad(), ref_rows.grad(), 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(rows.grad(), want.rows_grad, 1e-5, 1e-5));
   for (size_t i = 0; i < 4; ++i) {
     const at::Tensor got = (*group)->parameters()[i].grad();
-    EXPECT_TRUE(at::allclose(got, p[i].grad(), 1e-4, 1e-5))
+    EXPECT_TRUE(at::allclose(got, want.param_grads[i], 1e-4, 1e-5))
         << (*group)->named_parameters()[i].first;
     EXPECT_TRUE(got[2].eq(0).all().item<bool>()) << "expert 5 had no rows";
   }
