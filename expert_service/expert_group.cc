@@ -46,6 +46,36 @@ int ChunksFor(const at::Tensor& x) {
   return ParallelForEnabled() && !InParallelRegion() ? ThreadsFor(x) : 1;
 }
 
+// oneDNN (LibTorch's CPU GELU for float) JIT-compiles a kernel per shape and
+// caches 1024 of them; a group's row counts change every step, so each call
+// compiled (about 1.5x the GELU's own time, and page faults from the code
+// buffers). Fixed tiles of rows reuse at most kGeluTileRows kernels per
+// width; elementwise, so the values are the same.
+constexpr int64_t kGeluTileRows = 128;
+
+template <typename Op>
+void ForRowTiles(const at::Tensor& like, const Op& op) {
+  const int64_t rows = like.size(0);
+  const int64_t tile = like.is_cpu() ? kGeluTileRows : std::max<int64_t>(rows, 1);
+  for (int64_t b = 0; b < rows; b += tile) op(b, std::min(tile, rows - b));
+}
+
+void GeluOut(at::Tensor& out, const at::Tensor& in) {
+  ForRowTiles(in, [&](int64_t b, int64_t n) {
+    at::Tensor o = out.narrow(0, b, n);
+    at::gelu_out(o, in.narrow(0, b, n));
+  });
+}
+
+at::Tensor GeluBackward(const at::Tensor& grad, const at::Tensor& in) {
+  at::Tensor out = at::empty_like(in);
+  ForRowTiles(in, [&](int64_t b, int64_t n) {
+    at::Tensor o = out.narrow(0, b, n);
+    at::gelu_backward_out(o, grad.narrow(0, b, n), in.narrow(0, b, n));
+  });
+  return out;
+}
+
 // Every expert's FFN (ExpertFfn) on rows `x` sorted by expert, the rows
 // split evenly across the threads (PlanRowChunks), each product on one
 // thread (BLIS splitting one [~500,128]x[128,512] product across 2 threads
@@ -75,11 +105,11 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
         at::Tensor y_s = y.narrow(0, p.begin, p.count);
         if (p.count < RowwiseLinearRows()) {  // Linear's GEMVs
           h_s.copy_(Linear(x_s, w1[s], b1[s]));
-          at::gelu_out(a_s, h_s);
+          GeluOut(a_s, h_s);
           y_s.copy_(Linear(a_s, w2[s], b2[s]));
         } else {  // at::linear's own product, written in place
           at::addmm_out(h_s, b1[s], x_s, w1[s].t());
-          at::gelu_out(a_s, h_s);
+          GeluOut(a_s, h_s);
           at::addmm_out(y_s, b2[s], a_s, w2[s].t());
         }
       }
@@ -134,7 +164,7 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
         }
         if (!need_x && !need_w1 && !need_b1) continue;
         const at::Tensor gh_s =
-            at::gelu_backward(at::mm(gy_s, w2[p.expert]), h.narrow(0, p.begin, p.count));
+            GeluBackward(at::mm(gy_s, w2[p.expert]), h.narrow(0, p.begin, p.count));
         if (need_w1) {
           at::Tensor o = out(kW1);
           at::mm_out(o, gh_s.t(), x.narrow(0, p.begin, p.count));

@@ -327,6 +327,36 @@ TEST(ExpertGroupTest, AnExpertSharedByTwoThreadsMatchesEachRowsOwnExpert) {
   at::set_num_threads(saved_threads);
 }
 
+// An expert's rows beyond one GELU tile (128 rows on the CPU): expert 3 gets
+// 300 rows (tiles of 128, 128 and 44), expert 5 gets 129 (128 and 1). The
+// output and gradients equal the hand-written FFN of each row's expert.
+TEST(ExpertGroupTest, RowsSpanningSeveralGeluTilesMatchEachRowsOwnExpert) {
+  const int saved_threads = at::get_num_threads();
+  at::set_num_threads(1);
+  at::manual_seed(13);
+  const int64_t n = 429;
+  std::vector<int64_t> sorted_ids(n, 3);
+  std::fill(sorted_ids.begin() + 300, sorted_ids.end(), 5);
+  const at::Tensor rows = at::randn({n, 8}).requires_grad_(true);
+  const at::Tensor weights = at::randn({n, 8});
+  const at::Tensor ids = at::tensor(sorted_ids, at::kLong);
+  auto group = ExpertGroup::Create(Shape(), 1, 2, kCpu);
+  ASSERT_TRUE(group.ok());
+  auto out = (*group)->Forward(rows, ids);
+  ASSERT_TRUE(out.ok()) << out.status();
+  (*out * weights).sum().backward();
+  const Oracle want = PerRowOracle(**group, rows, ids, weights);
+  for (int64_t r = 0; r < n; ++r) {
+    EXPECT_TRUE(at::allclose((*out)[r], want.ys[r], 1e-5, 1e-6)) << "row " << r;
+  }
+  EXPECT_TRUE(at::allclose(rows.grad(), want.rows_grad, 1e-5, 1e-5));
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_TRUE(at::allclose((*group)->parameters()[i].grad(), want.param_grads[i], 1e-4, 1e-5))
+        << (*group)->named_parameters()[i].first;
+  }
+  at::set_num_threads(saved_threads);
+}
+
 INSTANTIATE_TEST_SUITE_P(GemmAndRowwise, ExpertGroupForwardTest,
                          ::testing::Values(int64_t{0}, kRowwiseLinearRowsWhenFaster),
                          [](const ::testing::TestParamInfo<int64_t>& info) {
