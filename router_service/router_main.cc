@@ -50,6 +50,9 @@ ABSL_FLAG(std::string, checkpoint, "",
 ABSL_FLAG(bool, load_expert_state, true,
           "With --checkpoint: push the checkpoint's expert weights to the groups at start");
 ABSL_FLAG(int, max_new_tokens, 4096, "Most tokens one Generate request may ask for");
+ABSL_FLAG(bool, kv_cache, true,
+          "Generate: keep each stream's attention keys and values; false recomputes the "
+          "whole context for every token (the reference, for benches)");
 ABSL_FLAG(int32_t, max_streams, 64,
           "Generate streams decoded together (continuous batching); more get "
           "RESOURCE_EXHAUSTED");
@@ -122,6 +125,7 @@ absl::Status ServeCheckpoint(const v1::ClusterConfig& cluster,
   model::GeneratorOptions go;
   go.max_new_tokens_limit = absl::GetFlag(FLAGS_max_new_tokens);
   go.max_streams = absl::GetFlag(FLAGS_max_streams);
+  go.kv_cache = absl::GetFlag(FLAGS_kv_cache);
   go.load_expert_state = absl::GetFlag(FLAGS_load_expert_state);
   o->make_generator = [contents, go](model::MoELayers& moe)
       -> absl::StatusOr<std::shared_ptr<model::TextGenerator>> {

@@ -1,11 +1,16 @@
 #!/usr/bin/python3
-"""Generate through remote experts: 1 stream against --streams concurrent
-streams, from an outside grpcio client, on the cluster file's model (2
-layers, d 256, 8 experts in 4 groups) served by himoe-router --checkpoint
-on 4 himoe-expert processes, all on this host. The checkpoint is the
-trainer's after --train_steps steps on those processes (throughput does
-not depend on training). Alternates 1 and N streams --reps times and writes
-a Markdown table (--out). Needs /usr/bin/python3 with Debian's
+"""Generate through remote experts, from an outside grpcio client, on the
+cluster file's model (2 layers, d 256, 8 experts in 4 groups, a block of
+--block_size tokens) served by himoe-router --checkpoint on 4 himoe-expert
+processes, all on this host. The checkpoint is the trainer's after
+--train_steps steps on those processes (throughput does not depend on
+training). Measures, alternating --reps times:
+  * 1 stream against --streams concurrent streams (16-byte prompt);
+  * the KV cache against full recompute (a second himoe-router with
+    --kv_cache=false on the same experts): 1 stream, a --kv_prompt-byte
+    prompt and --kv_new_tokens new tokens (contexts 192-255 by default),
+    and whether both sampled the same tokens.
+Writes a Markdown table (--out). Needs /usr/bin/python3 with Debian's
 python3-grpcio and python3-grpc-tools.
 
   /usr/bin/python3 scripts/generate_remote_bench.py --build build \
@@ -39,6 +44,9 @@ def main():
     ap.add_argument("--new_tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--train_steps", type=int, default=20)
+    ap.add_argument("--block_size", type=int, default=256)
+    ap.add_argument("--kv_prompt", type=int, default=192)
+    ap.add_argument("--kv_new_tokens", type=int, default=64)
     a = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix="himoe-generate-")
@@ -68,17 +76,35 @@ def main():
                 [os.path.join(a.build, "trainer", "himoe-trainer"), "--experts=cluster",
                  f"--cluster={cluster}", "--n_layer=2", f"--steps={a.train_steps}",
                  f"--checkpoint_every={a.train_steps}", "--eval_every=1000000",
-                 "--threads=1", "--metrics_port=-1", f"--out_dir={served}"],
+                 f"--block_size={a.block_size}", "--threads=1", "--metrics_port=-1",
+                 f"--out_dir={served}"],
                 stdout=log, stderr=log, check=True)
-        rpf = os.path.join(work, "router.port")
-        rlog = open(os.path.join(work, "router.log"), "w")
-        procs.append(subprocess.Popen(
-            [os.path.join(a.build, "router_service", "himoe-router"), f"--cluster={cluster}",
-             "--address=127.0.0.1:0", "--threads=1", f"--port_file={rpf}",
-             "--metrics_port=-1", f"--checkpoint={os.path.join(served, 'checkpoints')}"],
-            stdout=rlog, stderr=rlog))
-        port = wait_port_file(rpf, procs[-1])
-        stub = router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        def start_router(name, extra):
+            pf = os.path.join(work, f"{name}.port")
+            log = open(os.path.join(work, f"{name}.log"), "w")
+            procs.append(subprocess.Popen(
+                [os.path.join(a.build, "router_service", "himoe-router"), f"--cluster={cluster}",
+                 "--address=127.0.0.1:0", "--threads=1", f"--port_file={pf}",
+                 "--metrics_port=-1", f"--checkpoint={os.path.join(served, 'checkpoints')}"]
+                + extra, stdout=log, stderr=log))
+            port = wait_port_file(pf, procs[-1])
+            return router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+        stub = start_router("router", [])
+        # The experts already hold the checkpoint's weights (the first router pushed them).
+        recompute_stub = start_router("router_recompute",
+                                      ["--kv_cache=false", "--load_expert_state=false"])
+        kv_prompt = bytes(32 + (i * 7) % 90 for i in range(a.kv_prompt))
+
+        def tokens(s, prompt, n):
+            req = router_pb2.GenerateRequest(prompt=prompt, max_new_tokens=n,
+                                             temperature=0.8, top_k=40, seed=1)
+            start = time.time()
+            got = [r.token for r in s.Generate(req, timeout=600)]
+            took = time.time() - start
+            if len(got) != n:
+                sys.exit(f"generate_remote_bench: got {len(got)} tokens, expected {n}")
+            return got, n / took
 
         def run(streams):
             counts = []
@@ -103,11 +129,15 @@ def main():
             return sum(counts) / took
 
         run(1)  # warm
-        rows = []
+        tokens(recompute_stub, PROMPT, 4)
+        rows, kv_rows = [], []
         for _ in range(a.reps):
             one = run(1)
             many = run(a.streams)
             rows.append((one, many))
+            cached, kv_tps = tokens(stub, kv_prompt, a.kv_new_tokens)
+            full, full_tps = tokens(recompute_stub, kv_prompt, a.kv_new_tokens)
+            kv_rows.append((full_tps, kv_tps, cached == full))
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -123,14 +153,25 @@ def main():
                 if l.startswith("model name")), platform.machine())
     lines = [f"Measured {datetime.date.today()} on {cpu}, {os.cpu_count()} cores: 4 "
              "himoe-expert processes (1 thread each), himoe-router --checkpoint (1 thread) "
-             f"and this client on the same host; prompt {len(PROMPT)} bytes, "
-             f"{a.new_tokens} new tokens per stream, temperature 0.8, top-k 40.", "",
+             f"and this client on the same host; block {a.block_size}, prompt {len(PROMPT)} "
+             f"bytes, {a.new_tokens} new tokens per stream, temperature 0.8, top-k 40.", "",
              f"| rep | 1 stream, tokens/s | {a.streams} streams, tokens/s (total) | ratio |",
              "|---:|---:|---:|---:|"]
     for i, (one, many) in enumerate(rows, 1):
         lines.append(f"| {i} | {one:.1f} | {many:.1f} | {many / one:.2f} |")
     ratios = sorted(m / o for o, m in rows)
     lines.append(f"| median | | | {ratios[len(ratios) // 2]:.2f} |")
+    lines += ["", f"One stream, a {a.kv_prompt}-byte prompt and {a.kv_new_tokens} new tokens "
+              f"(contexts {a.kv_prompt}-{a.kv_prompt + a.kv_new_tokens - 1}), seed 1: the KV "
+              "cache against a second router that recomputes the whole context "
+              "(--kv_cache=false), on the same experts.", "",
+              "| rep | full recompute, tokens/s | KV cache, tokens/s | ratio | same tokens |",
+              "|---:|---:|---:|---:|---|"]
+    for i, (full, kv, same) in enumerate(kv_rows, 1):
+        lines.append(f"| {i} | {full:.1f} | {kv:.1f} | {kv / full:.2f} | "
+                     f"{'yes' if same else 'no'} |")
+    kv_ratios = sorted(kv / full for full, kv, _ in kv_rows)
+    lines.append(f"| median | | | {kv_ratios[len(kv_ratios) // 2]:.2f} | |")
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
