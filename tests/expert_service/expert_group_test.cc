@@ -294,67 +294,63 @@ TEST(PlanRowChunksTest, SplitsRowsEvenlyAcrossChunks) {
             (std::vector<std::vector<P>>{{{0, 0, 1, true}}, {}}));
 }
 
+// Group 1 (experts 3-5) on `n` random rows, sorted by expert as `sorted_ids`,
+// at `threads` threads: the output, the rows' and the weights' gradients
+// equal the hand-written FFN of each row's expert. Returns the weights'
+// gradients.
+std::vector<at::Tensor> ExpectSortedRowsMatchOracle(const std::vector<int64_t>& sorted_ids,
+                                                    int threads) {
+  const int saved_threads = at::get_num_threads();
+  at::set_num_threads(threads);
+  const int64_t n = static_cast<int64_t>(sorted_ids.size());
+  const at::Tensor rows = at::randn({n, 8}).requires_grad_(true);
+  const at::Tensor weights = at::randn({n, 8});
+  const at::Tensor ids = at::tensor(sorted_ids, at::kLong);
+  auto group = ExpertGroup::Create(Shape(), 1, 2, kCpu);
+  EXPECT_TRUE(group.ok());
+  if (!group.ok()) return {};
+  auto out = (*group)->Forward(rows, ids);
+  EXPECT_TRUE(out.ok()) << out.status();
+  if (!out.ok()) return {};
+  (*out * weights).sum().backward();
+  at::set_num_threads(saved_threads);
+  const Oracle want = PerRowOracle(**group, rows, ids, weights);
+  for (int64_t r = 0; r < n; ++r) {
+    EXPECT_TRUE(at::allclose((*out)[r], want.ys[r], 1e-5, 1e-6)) << "row " << r;
+  }
+  EXPECT_TRUE(at::allclose(rows.grad(), want.rows_grad, 1e-5, 1e-5));
+  std::vector<at::Tensor> grads;
+  for (size_t i = 0; i < 4; ++i) {
+    grads.push_back((*group)->parameters()[i].grad());
+    EXPECT_TRUE(at::allclose(grads.back(), want.param_grads[i], 1e-4, 1e-5))
+        << (*group)->named_parameters()[i].first;
+  }
+  return grads;
+}
+
 // Uneven routing at 2 threads: one expert's rows are cut between the
 // threads (PlanRowChunks), and its weight gradients are the sum of both
 // halves. Everything equals the hand-written FFN of each row's expert.
 TEST(ExpertGroupTest, AnExpertSharedByTwoThreadsMatchesEachRowsOwnExpert) {
-  const int saved_threads = at::get_num_threads();
-  at::set_num_threads(2);
   at::manual_seed(11);
-  const int64_t n = 120;  // expert 3: 20 rows, expert 4: 100 (cut at 60), expert 5: none
-  std::vector<int64_t> sorted_ids(n, 4);
+  // expert 3: 20 rows, expert 4: 100 (cut at 60), expert 5: none
+  std::vector<int64_t> sorted_ids(120, 4);
   std::fill(sorted_ids.begin(), sorted_ids.begin() + 20, 3);
   ASSERT_EQ(PlanRowChunks({20, 100, 0}, 2, kMinRowPiece)[1].front(), (RowPiece{1, 60, 60, false}));
-  const at::Tensor rows = at::randn({n, 8}).requires_grad_(true);
-  const at::Tensor weights = at::randn({n, 8});
-  const at::Tensor ids = at::tensor(sorted_ids, at::kLong);
-  auto group = ExpertGroup::Create(Shape(), 1, 2, kCpu);
-  ASSERT_TRUE(group.ok());
-  auto out = (*group)->Forward(rows, ids);
-  ASSERT_TRUE(out.ok()) << out.status();
-  (*out * weights).sum().backward();
-  const Oracle want = PerRowOracle(**group, rows, ids, weights);
-  for (int64_t r = 0; r < n; ++r) {
-    EXPECT_TRUE(at::allclose((*out)[r], want.ys[r], 1e-5, 1e-6)) << "row " << r;
+  const std::vector<at::Tensor> grads = ExpectSortedRowsMatchOracle(sorted_ids, 2);
+  ASSERT_EQ(grads.size(), 4u);
+  for (const at::Tensor& g : grads) {
+    EXPECT_TRUE(g[2].eq(0).all().item<bool>()) << "expert 5 had no rows";
   }
-  EXPECT_TRUE(at::allclose(rows.grad(), want.rows_grad, 1e-5, 1e-5));
-  for (size_t i = 0; i < 4; ++i) {
-    const at::Tensor got = (*group)->parameters()[i].grad();
-    EXPECT_TRUE(at::allclose(got, want.param_grads[i], 1e-4, 1e-5))
-        << (*group)->named_parameters()[i].first;
-    EXPECT_TRUE(got[2].eq(0).all().item<bool>()) << "expert 5 had no rows";
-  }
-  at::set_num_threads(saved_threads);
 }
 
 // An expert's rows beyond one GELU tile (128 rows on the CPU): expert 3 gets
-// 300 rows (tiles of 128, 128 and 44), expert 5 gets 129 (128 and 1). The
-// output and gradients equal the hand-written FFN of each row's expert.
+// 300 rows (tiles of 128, 128 and 44), expert 5 gets 129 (128 and 1).
 TEST(ExpertGroupTest, RowsSpanningSeveralGeluTilesMatchEachRowsOwnExpert) {
-  const int saved_threads = at::get_num_threads();
-  at::set_num_threads(1);
   at::manual_seed(13);
-  const int64_t n = 429;
-  std::vector<int64_t> sorted_ids(n, 3);
+  std::vector<int64_t> sorted_ids(429, 3);
   std::fill(sorted_ids.begin() + 300, sorted_ids.end(), 5);
-  const at::Tensor rows = at::randn({n, 8}).requires_grad_(true);
-  const at::Tensor weights = at::randn({n, 8});
-  const at::Tensor ids = at::tensor(sorted_ids, at::kLong);
-  auto group = ExpertGroup::Create(Shape(), 1, 2, kCpu);
-  ASSERT_TRUE(group.ok());
-  auto out = (*group)->Forward(rows, ids);
-  ASSERT_TRUE(out.ok()) << out.status();
-  (*out * weights).sum().backward();
-  const Oracle want = PerRowOracle(**group, rows, ids, weights);
-  for (int64_t r = 0; r < n; ++r) {
-    EXPECT_TRUE(at::allclose((*out)[r], want.ys[r], 1e-5, 1e-6)) << "row " << r;
-  }
-  EXPECT_TRUE(at::allclose(rows.grad(), want.rows_grad, 1e-5, 1e-5));
-  for (size_t i = 0; i < 4; ++i) {
-    EXPECT_TRUE(at::allclose((*group)->parameters()[i].grad(), want.param_grads[i], 1e-4, 1e-5))
-        << (*group)->named_parameters()[i].first;
-  }
-  at::set_num_threads(saved_threads);
+  EXPECT_EQ(ExpectSortedRowsMatchOracle(sorted_ids, 1).size(), 4u);
 }
 
 INSTANTIATE_TEST_SUITE_P(GemmAndRowwise, ExpertGroupForwardTest,
