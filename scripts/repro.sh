@@ -5,7 +5,7 @@
 # scripts/repro_report.py into <out>/results.md, results.csv, runs.csv and
 # plots/.
 #
-#   bash scripts/repro.sh                 # full: 16 rows x 3 seeds (about 3.5 hours on 2 cores)
+#   bash scripts/repro.sh                 # full: 16 rows x 3 seeds (about 2 hours on 2 cores)
 #   bash scripts/repro.sh --quick         # seed 1337; vanilla, moge, himoe, himoe+controller (~25 min)
 #   bash scripts/repro.sh --smoke         # every row, 1 seed, 2 steps (what CI runs)
 #   options: --out DIR (default runs/repro)  --jobs N (default 2)
