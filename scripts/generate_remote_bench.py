@@ -36,6 +36,12 @@ from soak import ROOT, stubs, wait_port_file  # noqa: E402
 PROMPT = b"The fortune says"  # 16 bytes, as generate_bench.cc's shortest contexts
 
 
+def median(values):
+    """The middle value (the upper one of an even count)."""
+    v = sorted(values)
+    return v[len(v) // 2]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -96,9 +102,9 @@ def main():
                                       ["--kv_cache=false", "--load_expert_state=false"])
         kv_prompt = bytes(32 + (i * 7) % 90 for i in range(a.kv_prompt))
 
-        def tokens(s, prompt, n):
+        def tokens(s, prompt, n, seed=1):
             req = router_pb2.GenerateRequest(prompt=prompt, max_new_tokens=n,
-                                             temperature=0.8, top_k=40, seed=1)
+                                             temperature=0.8, top_k=40, seed=seed)
             start = time.time()
             got = [r.token for r in s.Generate(req, timeout=600)]
             took = time.time() - start
@@ -111,11 +117,9 @@ def main():
             lock = threading.Lock()
 
             def one(seed):
-                req = router_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=a.new_tokens,
-                                                 temperature=0.8, top_k=40, seed=seed)
-                n = sum(1 for _ in stub.Generate(req, timeout=600))
+                got, _ = tokens(stub, PROMPT, a.new_tokens, seed)
                 with lock:
-                    counts.append(n)
+                    counts.append(len(got))
             threads = [threading.Thread(target=one, args=(s + 1,)) for s in range(streams)]
             start = time.time()
             for t in threads:
@@ -159,8 +163,7 @@ def main():
              "|---:|---:|---:|---:|"]
     for i, (one, many) in enumerate(rows, 1):
         lines.append(f"| {i} | {one:.1f} | {many:.1f} | {many / one:.2f} |")
-    ratios = sorted(m / o for o, m in rows)
-    lines.append(f"| median | | | {ratios[len(ratios) // 2]:.2f} |")
+    lines.append(f"| median | | | {median(m / o for o, m in rows):.2f} |")
     lines += ["", f"One stream, a {a.kv_prompt}-byte prompt and {a.kv_new_tokens} new tokens "
               f"(contexts {a.kv_prompt}-{a.kv_prompt + a.kv_new_tokens - 1}), seed 1: the KV "
               "cache against a second router that recomputes the whole context "
@@ -170,8 +173,7 @@ def main():
     for i, (full, kv, same) in enumerate(kv_rows, 1):
         lines.append(f"| {i} | {full:.1f} | {kv:.1f} | {kv / full:.2f} | "
                      f"{'yes' if same else 'no'} |")
-    kv_ratios = sorted(kv / full for full, kv, _ in kv_rows)
-    lines.append(f"| median | | | {kv_ratios[len(kv_ratios) // 2]:.2f} | |")
+    lines.append(f"| median | | | {median(kv / full for full, kv, _ in kv_rows):.2f} | |")
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
