@@ -361,18 +361,37 @@ Selection RouterLayer::Select(const at::Tensor& scores) const {
 Selection RouterLayer::SelectWithinBand(const at::Tensor& logits) {
   const RoutingConfig& c = config_;
   const double delta = kBalanceBand * c.target_expert_cv;
+  const bool grouped = IsGrouped(c.method);
+  const int64_t groups = grouped ? c.num_groups : 1, k = grouped ? c.top_k : c.total_k();
   // The step sizes start afresh on every batch; the multipliers carry over.
-  BalanceState solve = balance_;
-  solve.step = at::full_like(balance_.upper, c.balance_rate);
-  solve.last = at::zeros_like(balance_.upper);
+  BalanceSolve solve;
+  solve.upper = ToVector(balance_.upper);
+  solve.lower = ToVector(balance_.lower);
+  solve.single_precision = balance_.upper.scalar_type() == at::kFloat;
+  solve.step.assign(c.num_experts, solve.single_precision
+                                       ? static_cast<double>(static_cast<float>(c.balance_rate))
+                                       : c.balance_rate);
+  solve.last.assign(c.num_experts, 0.0);
+  std::vector<double> bias(c.num_experts);
+  const at::Tensor host = logits.detach().to(at::kCPU).contiguous();
   for (int iteration = 0;; ++iteration) {
-    Selection sel = Select(logits + BalanceBias().to(logits.dtype()));
-    const at::Tensor counts = at::bincount(sel.ids.reshape(-1), {}, c.num_experts);
-    const double mean = static_cast<double>(sel.ids.numel()) / c.num_experts;
-    const double worst = (counts.to(at::kDouble) - mean).abs().max().item<double>() / mean;
-    if (worst <= delta || iteration == kMaxBalanceIterations) return sel;
+    for (int64_t i = 0; i < c.num_experts; ++i) {
+      // b = lower - upper in the multipliers' dtype (BalanceBias).
+      bias[i] = solve.single_precision
+                    ? static_cast<double>(static_cast<float>(solve.lower[i]) -
+                                          static_cast<float>(solve.upper[i]))
+                    : solve.lower[i] - solve.upper[i];
+    }
+    const std::vector<int64_t> counts = CountSelections(host, bias, groups, k);
+    const double mean = static_cast<double>(logits.size(0) * groups * k) / c.num_experts;
+    double worst = 0;
+    for (const int64_t n : counts) worst = std::max(worst, std::abs(n - mean));
+    if (worst / mean <= delta || iteration == kMaxBalanceIterations) break;
     BalanceControllerUpdate(solve, counts, c.target_expert_cv, kBalanceBand, c.balance_rate);
   }
+  balance_.upper.copy_(at::tensor(solve.upper, at::kDouble));
+  balance_.lower.copy_(at::tensor(solve.lower, at::kDouble));
+  return Select(logits + BalanceBias().to(logits.dtype()));
 }
 
 void RouterLayer::ApplyBiasUpdates() {

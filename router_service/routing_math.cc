@@ -181,22 +181,91 @@ at::Tensor GroupConditionalLoadLoss(const at::Tensor& probs, const at::Tensor& i
          static_cast<double>(num_groups);
 }
 
-void BalanceControllerUpdate(BalanceState& state, const at::Tensor& counts, double target_cv,
-                             double band, double rate) {
-  at::NoGradGuard no_grad;
-  const at::Tensor c = counts.to(state.upper.device(), at::kDouble);
-  const double mean = c.mean().item<double>();
+void BalanceControllerUpdate(BalanceSolve& solve, const std::vector<int64_t>& counts,
+                             double target_cv, double band, double rate) {
+  const size_t n = counts.size();
+  if (n == 0) return;
+  // Integer counts: their double sum is exact in any order.
+  const double mean =
+      static_cast<double>(std::accumulate(counts.begin(), counts.end(), int64_t{0})) /
+      static_cast<double>(n);
   if (mean <= 0) return;
+  const auto stored = [&](double v) {
+    return solve.single_precision ? static_cast<double>(static_cast<float>(v)) : v;
+  };
   const double delta = band * target_cv;
-  const at::Tensor x = (c - mean) / mean;
-  const at::Tensor last = state.last.to(at::kDouble);
-  const at::Tensor flipped = (x * last).lt(0);
-  const at::Tensor step = at::where(flipped, state.step.to(at::kDouble) * 0.5,
-                                    at::clamp_max(state.step.to(at::kDouble) * 1.2, rate));
-  state.upper.copy_(at::clamp_min(state.upper.to(at::kDouble) + step * (x - delta), 0.0));
-  state.lower.copy_(at::clamp_min(state.lower.to(at::kDouble) + step * (-x - delta), 0.0));
-  state.step.copy_(step);
-  state.last.copy_(x);
+  for (size_t i = 0; i < n; ++i) {
+    const double x = (static_cast<double>(counts[i]) - mean) / mean;
+    const bool flipped = x * solve.last[i] < 0;
+    const double step = flipped ? solve.step[i] * 0.5 : std::min(solve.step[i] * 1.2, rate);
+    // Each product and sum rounded on its own, as the tensor ops it replaces.
+    const double up = step * (x - delta), down = step * (-x - delta);
+    solve.upper[i] = stored(std::max(solve.upper[i] + up, 0.0));
+    solve.lower[i] = stored(std::max(solve.lower[i] + down, 0.0));
+    solve.step[i] = stored(step);
+    solve.last[i] = stored(x);
+  }
+}
+
+namespace {
+
+template <typename T>
+void CountRows(const T* scores, int64_t tokens, int64_t n, const std::vector<double>& bias,
+               int64_t num_groups, int64_t k, std::vector<int64_t>& counts) {
+  std::vector<T> b(bias.begin(), bias.end());
+  std::vector<T> row(n);
+  std::vector<char> taken(n);
+  const int64_t per_group = n / num_groups;
+  if (k == 1) {  // the paper's setting: an argmax per group
+    for (int64_t t = 0; t < tokens; ++t) {
+      const T* r = scores + t * n;
+      for (int64_t first = 0; first < n; first += per_group) {
+        int64_t best = first;
+        T best_score = r[first] + b[first];
+        for (int64_t i = first + 1; i < first + per_group; ++i) {
+          const T v = r[i] + b[i];
+          if (v > best_score) best_score = v, best = i;
+        }
+        ++counts[best];
+      }
+    }
+    return;
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < n; ++i) row[i] = scores[t * n + i] + b[i];
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const int64_t first = g * per_group, last = first + per_group;
+      std::fill(taken.begin() + first, taken.begin() + last, 0);
+      for (int64_t pick = 0; pick < k; ++pick) {
+        int64_t best = -1;
+        for (int64_t i = first; i < last; ++i) {
+          if (!taken[i] && (best < 0 || row[i] > row[best])) best = i;
+        }
+        taken[best] = 1;
+        ++counts[best];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<int64_t> CountSelections(const at::Tensor& scores, const std::vector<double>& bias,
+                                     int64_t num_groups, int64_t k) {
+  const at::Tensor s = scores.detach().to(at::kCPU).contiguous();
+  const int64_t tokens = s.size(0), n = s.size(1);
+  TORCH_CHECK(static_cast<int64_t>(bias.size()) == n && num_groups >= 1 && n % num_groups == 0 &&
+                  k >= 1 && k <= n / num_groups,
+              "CountSelections: scores [T, ", n, "], bias of ", bias.size(), ", ", num_groups,
+              " groups, k = ", k);
+  std::vector<int64_t> counts(n, 0);
+  if (s.scalar_type() == at::kDouble) {
+    CountRows(s.data_ptr<double>(), tokens, n, bias, num_groups, k, counts);
+  } else {
+    TORCH_CHECK(s.scalar_type() == at::kFloat, "CountSelections: scores must be float or double");
+    CountRows(s.data_ptr<float>(), tokens, n, bias, num_groups, k, counts);
+  }
+  return counts;
 }
 
 double DualAscentStep(double lambda, double cost, double epsilon, double rate,

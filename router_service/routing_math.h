@@ -126,17 +126,33 @@ at::Tensor GroupConditionalLoadLoss(const at::Tensor& probs, const at::Tensor& i
 // experts from step to step; each expert's step therefore halves when x_i
 // changes sign and grows by 1.2x (up to `rate`) while it keeps it (Rprop's
 // rule). `last` holds the previous x. In place, no gradient; a no-op for
-// all-zero counts.
+// all-zero counts. The solve runs on host vectors: a batch takes up to
+// kMaxBalanceIterations updates of N numbers each, where tensor ops would
+// cost more in dispatch than in arithmetic.
 struct BalanceState {
   at::Tensor upper, lower;  // [N] each, the multipliers
-  at::Tensor step, last;    // [N] each, the step sizes and the previous x
   // mu of the group-conditional load loss, [1]: projected dual ascent on the
   // CV of the gate's own picks (without the bias),
   // mu <- max(0, mu + kBalanceLossRate * (CV_gate - target)).
   at::Tensor loss_multiplier;
 };
-void BalanceControllerUpdate(BalanceState& state, const at::Tensor& counts, double target_cv,
-                             double band, double rate);
+// One batch's solve: the multipliers as BalanceState holds them, the step
+// sizes and the previous x. Computed in double; with `single_precision`
+// every stored value is rounded to float, as a float BalanceState stores it.
+struct BalanceSolve {
+  std::vector<double> upper, lower, step, last;
+  bool single_precision = true;
+};
+void BalanceControllerUpdate(BalanceSolve& solve, const std::vector<int64_t>& counts,
+                             double target_cv, double band, double rate);
+
+// How many of the T tokens pick each expert when selecting on scores + bias
+// (as SelectGroupedTopK with `num_groups`, or SelectFlatTopK with
+// num_groups = 1; ties go to the lower index, as at::max's): [N]. `scores`
+// [T, N] float or double, any device; `bias` [N] is added in the scores'
+// dtype.
+std::vector<int64_t> CountSelections(const at::Tensor& scores, const std::vector<double>& bias,
+                                     int64_t num_groups, int64_t k);
 
 // Projected dual ascent on one constraint C <= epsilon of the paper's
 // constrained problem (eq. main:constrained, whose Lagrange multipliers are

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/profile_scope.h"
+#include "common/squared_norm.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 #include "model/checkpoint_reader.h"
@@ -154,7 +155,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
     HIMOE_PROFILE_SCOPE("grad norm, optimizer");
     double norm2 = 0;
     for (const auto& p : model_->parameters()) {
-      if (p.grad().defined()) norm2 += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+      if (p.grad().defined()) norm2 += SquaredNorm(p.grad());
     }
     HIMOE_ASSIGN_OR_RETURN(const double expert_norm2, experts_->GradNormSquared());
     r.grad_norm = std::sqrt(norm2 + expert_norm2);

@@ -266,6 +266,45 @@ TEST(ExpertOptimizerTest, WeightDecayOnlyOnW1AndW2) {
   EXPECT_EQ(state.back().second.item<int64_t>(), 1);
 }
 
+// Odd widths (d 3, d_ff 5): every tensor ends in elements the 4-wide loop
+// leaves to the scalar one. Three steps against torch::optim::AdamW, with a
+// clip scale and weight decay on w1, w2.
+TEST(ExpertOptimizerTest, OddSizesMatchTorchAdamW) {
+  ExpertServiceOptions odd = CoreOptions();
+  odd.shape = MakeShape(kNumExperts, kNumGroups, kLayers, 3, 5, kSeed);
+  auto group = GroupLike(odd, 0);
+  auto reference = GroupLike(odd, 0);
+  auto opt = ExpertOptimizer::Create({group.get()});
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  auto adamw = LocalAdamW({reference.get()});
+  torch::manual_seed(11);
+  for (uint64_t step = 1; step <= 3; ++step) {
+    SCOPED_TRACE(step);
+    const double scale = 0.7;
+    const auto params = group->parameters(), want = reference->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      ASSERT_NE(params[i].numel() % 4, 0);
+      const at::Tensor g = torch::randn_like(params[i]);
+      params[i].mutable_grad() = g.clone();
+      want[i].mutable_grad() = g * scale;
+    }
+    StepOptions o;
+    o.step = step;
+    o.lr = 1e-2;
+    o.grad_scale = scale;
+    o.weight_decay = 0.1;
+    o.beta1 = 0.8;
+    o.beta2 = 0.95;
+    o.eps = 1e-6;
+    ASSERT_TRUE((*opt)->Step(o).ok());
+    adamw->step();
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_LE(MaxAbsDiff(params[i].detach(), want[i].detach()), 1e-6) << i;
+      EXPECT_TRUE(params[i].grad().eq(0).all().item<bool>()) << i;
+    }
+  }
+}
+
 TEST(ExpertOptimizerTest, RejectsBadOptionsNamingTheField) {
   auto group = LocalGroup(0);
   auto opt = ExpertOptimizer::Create({group.get()});

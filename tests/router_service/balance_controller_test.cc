@@ -19,43 +19,81 @@ using testing::ToTensor;
 
 std::vector<double> Vec(const at::Tensor& t) { return ToNested<double>(t.unsqueeze(0))[0]; }
 
-BalanceState Fresh(int n, double rate) {
-  return {at::zeros({n}), at::zeros({n}), at::full({n}, rate), at::zeros({n}), at::zeros({1})};
+BalanceSolve Fresh(int n, double rate) {
+  BalanceSolve s;
+  s.upper.assign(n, 0);
+  s.lower.assign(n, 0);
+  s.step.assign(n, rate);
+  s.last.assign(n, 0);
+  s.single_precision = false;
+  return s;
 }
 
 TEST(BalanceControllerTest, UpdateIsProjectedDualAscentOnTheBand) {
   // counts {30, 10, 20, 20}: mean 20, x = {0.5, -0.5, 0, 0}; target 0.2,
   // band 0.75 -> delta 0.15. The step grows 0.1 -> min(0.12, rate 0.1).
-  BalanceState s = Fresh(4, 0.1);
-  BalanceControllerUpdate(s, at::tensor({30.0, 10.0, 20.0, 20.0}), 0.2, 0.75, 0.1);
+  BalanceSolve s = Fresh(4, 0.1);
+  BalanceControllerUpdate(s, {30, 10, 20, 20}, 0.2, 0.75, 0.1);
   // upper_0 = 0.1*(0.5-0.15) = 0.035; lower_1 = 0.1*(0.5-0.15) = 0.035;
   // the rest stay projected at 0.
-  const std::vector<double> up = Vec(s.upper), lo = Vec(s.lower);
   const std::vector<double> want_up = {0.035, 0, 0, 0}, want_lo = {0, 0.035, 0, 0};
   for (int i = 0; i < 4; ++i) {
-    EXPECT_NEAR(up[i], want_up[i], 1e-7) << i;
-    EXPECT_NEAR(lo[i], want_lo[i], 1e-7) << i;
+    EXPECT_NEAR(s.upper[i], want_up[i], 1e-15) << i;
+    EXPECT_NEAR(s.lower[i], want_lo[i], 1e-15) << i;
   }
-  EXPECT_EQ(Vec(s.last), (std::vector<double>{0.5, -0.5, 0, 0}));
+  EXPECT_EQ(s.last, (std::vector<double>{0.5, -0.5, 0, 0}));
   // Balanced counts: x = 0 (no sign change), the slack releases the
   // multipliers: upper_0 = max(0, 0.035 + 0.1*(0 - 0.15)) = 0.02.
-  BalanceControllerUpdate(s, at::tensor({20.0, 20.0, 20.0, 20.0}), 0.2, 0.75, 0.1);
-  EXPECT_NEAR(Vec(s.upper)[0], 0.02, 1e-7);
-  EXPECT_NEAR(Vec(s.lower)[1], 0.02, 1e-7);
+  BalanceControllerUpdate(s, {20, 20, 20, 20}, 0.2, 0.75, 0.1);
+  EXPECT_NEAR(s.upper[0], 0.02, 1e-15);
+  EXPECT_NEAR(s.lower[1], 0.02, 1e-15);
   // The load flips to the other side: x_0 = -0.5 after +0.5 two steps ago is
   // no flip against last = 0; set up a direct flip instead.
-  BalanceState f = Fresh(2, 0.1);
-  BalanceControllerUpdate(f, at::tensor({30.0, 10.0}), 0.2, 0.75, 0.1);  // x = +-0.5
-  BalanceControllerUpdate(f, at::tensor({10.0, 30.0}), 0.2, 0.75, 0.1);  // flipped
+  BalanceSolve f = Fresh(2, 0.1);
+  BalanceControllerUpdate(f, {30, 10}, 0.2, 0.75, 0.1);  // x = +-0.5
+  BalanceControllerUpdate(f, {10, 30}, 0.2, 0.75, 0.1);  // flipped
   // Step halves to 0.05: upper_0 = max(0, 0.035 + 0.05*(-0.5-0.15)) = 0.0025,
   // lower_0 = 0.05*(0.5-0.15) = 0.0175.
-  EXPECT_NEAR(Vec(f.step)[0], 0.05, 1e-7);
-  EXPECT_NEAR(Vec(f.upper)[0], 0.0025, 1e-7);
-  EXPECT_NEAR(Vec(f.lower)[0], 0.0175, 1e-7);
+  EXPECT_NEAR(f.step[0], 0.05, 1e-15);
+  EXPECT_NEAR(f.upper[0], 0.0025, 1e-15);
+  EXPECT_NEAR(f.lower[0], 0.0175, 1e-15);
   // No counts: nothing moves.
-  BalanceState z = Fresh(2, 0.1);
-  BalanceControllerUpdate(z, at::zeros({2}), 0.2, 0.75, 0.1);
-  EXPECT_TRUE(z.upper.eq(0).all().item<bool>() && z.step.eq(0.1f).all().item<bool>());
+  BalanceSolve z = Fresh(2, 0.1);
+  BalanceControllerUpdate(z, {0, 0}, 0.2, 0.75, 0.1);
+  EXPECT_EQ(z.upper, (std::vector<double>{0, 0}));
+  EXPECT_EQ(z.step, (std::vector<double>{0.1, 0.1}));
+  // In single precision every stored value is a float: 0.035 is not.
+  BalanceSolve r = Fresh(4, 0.1);
+  r.single_precision = true;
+  BalanceControllerUpdate(r, {30, 10, 20, 20}, 0.2, 0.75, 0.1);
+  EXPECT_EQ(r.upper[0], static_cast<double>(static_cast<float>(0.1 * (0.5 - 0.15))));
+  EXPECT_NE(r.upper[0], 0.1 * (0.5 - 0.15));
+}
+
+TEST(BalanceControllerTest, CountSelectionsEqualsSelectThenBincount) {
+  // The oracle: the tensor selection Route uses, counted with bincount.
+  at::manual_seed(7);
+  const at::Tensor scores = at::randn({300, 8});
+  const std::vector<double> bias = {0.3, -0.2, 0.0, 0.5, -0.4, 0.1, 0.2, -0.1};
+  const at::Tensor b = at::tensor(bias, at::kDouble).to(at::kFloat);
+  const auto counted = [&](const Selection& sel) {
+    const at::Tensor c = at::bincount(sel.ids.reshape(-1), {}, 8);
+    return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + 8);
+  };
+  for (const int64_t groups : {4, 2}) {
+    for (const int64_t k : {1, 2}) {
+      EXPECT_EQ(CountSelections(scores, bias, groups, k),
+                counted(SelectGroupedTopK(scores + b, groups, k)))
+          << groups << " groups, k = " << k;
+    }
+  }
+  EXPECT_EQ(CountSelections(scores, bias, 1, 3), counted(SelectFlatTopK(scores + b, 3)));
+  const at::Tensor d = scores.to(at::kDouble);
+  EXPECT_EQ(CountSelections(d, bias, 4, 1),
+            counted(SelectGroupedTopK(d + at::tensor(bias, at::kDouble), 4, 1)));
+  // A hand case: token {1, 0.5 | 0, 0.2}, bias +0.6 on expert 1 flips group 0.
+  EXPECT_EQ(CountSelections(ToTensor({{1.0, 0.5, 0.0, 0.2}}), {0, 0.6, 0, 0}, 2, 1),
+            (std::vector<int64_t>{0, 1, 0, 1}));
 }
 
 TEST(BalanceControllerTest, BiasMovesSelectionButNotWeights) {
