@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -76,6 +77,86 @@ at::Tensor GeluBackward(const at::Tensor& grad, const at::Tensor& in) {
   return out;
 }
 
+// One GroupedExpertFfn backward, piece by piece of its row plan: the rows'
+// gradient (gh, gx) and the weight gradients. Experts without rows get zero
+// weight gradients, as autograd gave them; an expert whose rows two threads
+// share sums its two halves after the join.
+enum { kW1, kB1, kW2, kB2 };
+struct FfnBackward {
+  std::vector<std::vector<RowPiece>> plan;
+  at::Tensor x, w1, w2, h, a, gy, gx;
+  bool need_x = false;
+  std::array<bool, 4> need{};  // kW1..kB2
+  std::vector<std::vector<at::Tensor>> gh;  // [chunk][piece]: grad of h
+
+  void RowsGrad(size_t t, size_t i) {
+    const RowPiece& p = plan[t][i];
+    if (!need_x && !need[kW1] && !need[kB1]) return;
+    gh[t][i] = GeluBackward(at::mm(gy.narrow(0, p.begin, p.count), w2[p.expert]),
+                            h.narrow(0, p.begin, p.count));
+    if (need_x) {
+      at::Tensor o = gx.narrow(0, p.begin, p.count);
+      at::mm_out(o, gh[t][i], w1[p.expert]);
+    }
+  }
+
+  // The weight gradients [kW1, kB1, kW2, kB2] (undefined where not needed);
+  // with rows_too, RowsGrad of each piece first, in the same fork-join.
+  std::array<at::Tensor, 4> Compute(bool rows_too) {
+    std::array<at::Tensor, 4> g;
+    if (need[kW1]) g[kW1] = at::zeros_like(w1);
+    if (need[kB1]) g[kB1] = at::zeros({w1.size(0), w1.size(1)}, w1.options());
+    if (need[kW2]) g[kW2] = at::zeros_like(w2);
+    if (need[kB2]) g[kB2] = at::zeros({w2.size(0), w2.size(1)}, w2.options());
+    // A shared expert's weight gradients, per piece: [chunk][piece][kW1..kB2].
+    std::vector<std::vector<std::array<at::Tensor, 4>>> partial(plan.size());
+    for (size_t t = 0; t < plan.size(); ++t) partial[t].resize(plan[t].size());
+    const at::ThreadLocalState caller;
+    ParallelFor(static_cast<int64_t>(plan.size()), ThreadsFor(x), [&](int64_t t) {
+      at::ThreadLocalStateGuard same_state(caller);
+      for (size_t i = 0; i < plan[t].size(); ++i) {
+        if (rows_too) RowsGrad(t, i);
+        const RowPiece& p = plan[t][i];
+        std::array<at::Tensor, 4>& part = partial[t][i];
+        // Into the gradient itself when the piece is all of the expert's rows.
+        const auto out = [&](int k) {
+          if (p.whole) return g[k][p.expert];
+          part[k] = at::empty_like(g[k][p.expert]);
+          return part[k];
+        };
+        const at::Tensor gy_s = gy.narrow(0, p.begin, p.count);
+        if (need[kW2]) {
+          at::Tensor o = out(kW2);
+          at::mm_out(o, gy_s.t(), a.narrow(0, p.begin, p.count));
+        }
+        if (need[kB2]) {
+          at::Tensor o = out(kB2);
+          at::sum_out(o, gy_s, at::IntArrayRef{0});
+        }
+        if (need[kW1]) {
+          at::Tensor o = out(kW1);
+          at::mm_out(o, gh[t][i].t(), x.narrow(0, p.begin, p.count));
+        }
+        if (need[kB1]) {
+          at::Tensor o = out(kB1);
+          at::sum_out(o, gh[t][i], at::IntArrayRef{0});
+        }
+      }
+    });
+    for (size_t t = 0; t < plan.size(); ++t) {
+      for (size_t i = 0; i < plan[t].size(); ++i) {
+        for (int k = 0; k < 4; ++k) {
+          const at::Tensor& part = partial[t][i][k];
+          if (part.defined()) g[k][plan[t][i].expert].add_(part);
+        }
+      }
+    }
+    return g;
+  }
+};
+
+thread_local DeferredWeightGrads* tls_weight_grad_sink = nullptr;
+
 // Every expert's FFN (ExpertFfn) on rows `x` sorted by expert, the rows
 // split evenly across the threads (PlanRowChunks), each product on one
 // thread (BLIS splitting one [~500,128]x[128,512] product across 2 threads
@@ -83,7 +164,8 @@ at::Tensor GeluBackward(const at::Tensor& grad, const at::Tensor& in) {
 // per group and layer, whose backward is split the same way; an expert
 // whose rows two threads share sums its weight gradients after the join.
 // The worker threads take the caller's thread-local state (grad mode,
-// dispatch keys).
+// dispatch keys). Under a DeferWeightGradsScope the backward returns the
+// rows' gradient and leaves the weight gradients to the scope's sink.
 class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
@@ -114,7 +196,7 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
         }
       }
     });
-    ctx->save_for_backward({x, w1, w2, h, a});
+    ctx->save_for_backward({x, w1, w2, h, a, b1, b2});
     ctx->saved_data["counts"] = std::move(counts);
     return y;
   }
@@ -122,76 +204,61 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &w1 = saved[1], &w2 = saved[2], &h = saved[3], &a = saved[4];
-    const auto plan =
-        PlanRowChunks(ctx->saved_data["counts"].toIntVector(), ChunksFor(x), kMinRowPiece);
-    const at::Tensor gy = grads[0].contiguous();
-    const bool need_x = ctx->needs_input_grad(0), need_w1 = ctx->needs_input_grad(1),
-               need_b1 = ctx->needs_input_grad(2), need_w2 = ctx->needs_input_grad(3),
-               need_b2 = ctx->needs_input_grad(4);
-    // Experts without rows get zero gradients, as autograd gave them.
-    at::Tensor gx = need_x ? at::empty_like(x) : at::Tensor();
-    at::Tensor gw1 = need_w1 ? at::zeros_like(w1) : at::Tensor();
-    at::Tensor gb1 = need_b1 ? at::zeros({w1.size(0), w1.size(1)}, w1.options()) : at::Tensor();
-    at::Tensor gw2 = need_w2 ? at::zeros_like(w2) : at::Tensor();
-    at::Tensor gb2 = need_b2 ? at::zeros({w2.size(0), w2.size(1)}, w2.options()) : at::Tensor();
-    enum { kW1, kB1, kW2, kB2 };
-    const std::array<at::Tensor*, 4> weight_grads = {&gw1, &gb1, &gw2, &gb2};
-    // A shared expert's weight gradients, per piece: [chunk][piece][kW1..kB2].
-    std::vector<std::vector<std::array<at::Tensor, 4>>> partial(plan.size());
-    for (size_t t = 0; t < plan.size(); ++t) partial[t].resize(plan[t].size());
+    auto work = std::make_shared<FfnBackward>();
+    FfnBackward& w = *work;
+    w.x = saved[0];
+    w.w1 = saved[1];
+    w.w2 = saved[2];
+    w.h = saved[3];
+    w.a = saved[4];
+    w.plan = PlanRowChunks(ctx->saved_data["counts"].toIntVector(), ChunksFor(w.x), kMinRowPiece);
+    w.gy = grads[0].contiguous();
+    w.need_x = ctx->needs_input_grad(0);
+    w.need = {ctx->needs_input_grad(1), ctx->needs_input_grad(2), ctx->needs_input_grad(3),
+              ctx->needs_input_grad(4)};
+    w.gx = w.need_x ? at::empty_like(w.x) : at::Tensor();
+    w.gh.resize(w.plan.size());
+    for (size_t t = 0; t < w.plan.size(); ++t) w.gh[t].resize(w.plan[t].size());
+    DeferredWeightGrads* sink = tls_weight_grad_sink;
+    const bool any_weight = std::any_of(w.need.begin(), w.need.end(), [](bool b) { return b; });
+    if (sink == nullptr || !any_weight) {
+      const std::array<at::Tensor, 4> g = w.Compute(/*rows_too=*/true);
+      return {w.gx, g[kW1], g[kB1], g[kW2], g[kB2], at::Tensor()};
+    }
+    // The rows' gradient now; the weight gradients when the sink runs them,
+    // into the parameters (leaves, saved as themselves) as autograd would.
     const at::ThreadLocalState caller;
-    ParallelFor(static_cast<int64_t>(plan.size()), ThreadsFor(x), [&](int64_t t) {
+    ParallelFor(static_cast<int64_t>(w.plan.size()), ThreadsFor(w.x), [&](int64_t t) {
       at::ThreadLocalStateGuard same_state(caller);
-      for (size_t i = 0; i < plan[t].size(); ++i) {
-        const RowPiece& p = plan[t][i];
-        std::array<at::Tensor, 4>& part = partial[t][i];
-        // Into the gradient itself when the piece is all of the expert's rows.
-        const auto out = [&](int k) {
-          const at::Tensor& grad = *weight_grads[k];
-          if (p.whole) return grad[p.expert];
-          part[k] = at::empty_like(grad[p.expert]);
-          return part[k];
-        };
-        const at::Tensor gy_s = gy.narrow(0, p.begin, p.count);
-        if (need_w2) {
-          at::Tensor o = out(kW2);
-          at::mm_out(o, gy_s.t(), a.narrow(0, p.begin, p.count));
-        }
-        if (need_b2) {
-          at::Tensor o = out(kB2);
-          at::sum_out(o, gy_s, at::IntArrayRef{0});
-        }
-        if (!need_x && !need_w1 && !need_b1) continue;
-        const at::Tensor gh_s =
-            GeluBackward(at::mm(gy_s, w2[p.expert]), h.narrow(0, p.begin, p.count));
-        if (need_w1) {
-          at::Tensor o = out(kW1);
-          at::mm_out(o, gh_s.t(), x.narrow(0, p.begin, p.count));
-        }
-        if (need_b1) {
-          at::Tensor o = out(kB1);
-          at::sum_out(o, gh_s, at::IntArrayRef{0});
-        }
-        if (need_x) {
-          at::Tensor o = gx.narrow(0, p.begin, p.count);
-          at::mm_out(o, gh_s, w1[p.expert]);
+      for (size_t i = 0; i < w.plan[t].size(); ++i) w.RowsGrad(t, i);
+    });
+    const std::array<at::Tensor, 4> params = {saved[1], saved[5], saved[2], saved[6]};
+    sink->push_back([work, params] {
+      at::NoGradGuard no_grad;
+      const std::array<at::Tensor, 4> g = work->Compute(/*rows_too=*/false);
+      for (int k = 0; k < 4; ++k) {
+        if (!g[k].defined()) continue;
+        at::Tensor param = params[k];
+        at::Tensor& grad = param.mutable_grad();
+        if (grad.defined()) {
+          grad.add_(g[k]);
+        } else {
+          grad = g[k];
         }
       }
     });
-    for (size_t t = 0; t < plan.size(); ++t) {
-      for (size_t i = 0; i < plan[t].size(); ++i) {
-        for (int k = 0; k < 4; ++k) {
-          const at::Tensor& part = partial[t][i][k];
-          if (part.defined()) (*weight_grads[k])[plan[t][i].expert].add_(part);
-        }
-      }
-    }
-    return {gx, gw1, gb1, gw2, gb2, at::Tensor()};
+    return {w.gx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
+
+DeferWeightGradsScope::DeferWeightGradsScope(DeferredWeightGrads* sink)
+    : previous_(tls_weight_grad_sink) {
+  tls_weight_grad_sink = sink;
+}
+
+DeferWeightGradsScope::~DeferWeightGradsScope() { tls_weight_grad_sink = previous_; }
 
 std::vector<std::vector<RowPiece>> PlanRowChunks(const std::vector<int64_t>& counts,
                                                  int chunks, int64_t min_rows) {

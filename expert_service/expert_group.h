@@ -2,6 +2,7 @@
 #define HIMOE_EXPERT_SERVICE_EXPERT_GROUP_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -72,6 +73,26 @@ class ExpertGroup {
   absl::Status IdsOutsideGroupError() const;
 
   at::Tensor w1_, b1_, w2_, b2_;
+};
+
+// Weight-gradient work an experts' backward left for later: each entry
+// computes one backward's weight gradients and adds them to the parameters'
+// grads. Run in order (the grads then sum as they would have).
+using DeferredWeightGrads = std::vector<std::function<void()>>;
+
+// While alive, the experts' backward on this thread computes the rows'
+// gradient only and appends its weight gradients to `sink` (null: computes
+// them at once, the default), so that a service can answer Backward with
+// the rows' gradient and compute the weight gradients after it. Scopes nest.
+class DeferWeightGradsScope {
+ public:
+  explicit DeferWeightGradsScope(DeferredWeightGrads* sink);
+  ~DeferWeightGradsScope();
+  DeferWeightGradsScope(const DeferWeightGradsScope&) = delete;
+  DeferWeightGradsScope& operator=(const DeferWeightGradsScope&) = delete;
+
+ private:
+  DeferredWeightGrads* previous_;
 };
 
 // A run of one expert's rows within the rows sorted by expert: local expert

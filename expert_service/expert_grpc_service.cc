@@ -192,16 +192,18 @@ template <class Request, class Response, class Compute>
 grpc::ServerUnaryReactor* ExpertGrpcService::ServeOnPool(grpc::CallbackServerContext* context,
                                                          const grpc::ByteBuffer* request,
                                                          grpc::ByteBuffer* response,
-                                                         Compute compute) {
+                                                         Compute compute,
+                                                         std::function<void()> after) {
   const Clock::time_point deadline = context->deadline();
   return ServeUnary<Request, Response>(
       context, request, response,
-      [this, deadline, compute](Request* q, Response* r,
-                                std::function<void(const absl::Status&)> done) {
+      [this, deadline, compute, after](Request* q, Response* r,
+                                       std::function<void(const absl::Status&)> done) {
         // `done` keeps the request and response alive until it is called.
-        const absl::Status queued =
-            SubmitBeforeDeadline(pool_, deadline, [q, r, done, compute](const absl::Status& admitted) {
+        const absl::Status queued = SubmitBeforeDeadline(
+            pool_, deadline, [q, r, done, compute, after](const absl::Status& admitted) {
               done(admitted.ok() ? compute(q, r) : admitted);
+              if (after) after();
             });
         if (!queued.ok()) done(queued);
       });
@@ -227,8 +229,11 @@ grpc::ServerUnaryReactor* ExpertGrpcService::Forward(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* ExpertGrpcService::Backward(grpc::CallbackServerContext* context,
                                                       const grpc::ByteBuffer* request,
                                                       grpc::ByteBuffer* response) {
+  // The weight gradients after the answer: the caller goes on meanwhile. An
+  // error there stays with the core and fails the next Backward or Step.
   return ServeOnPool<v1::ExpertBackwardRequest, v1::ExpertBackwardResponse>(
-      context, request, response, [this](auto* q, auto* r) { return core_->Backward(q, r); });
+      context, request, response, [this](auto* q, auto* r) { return core_->Backward(q, r); },
+      [this] { core_->RunPendingWeightGrads().IgnoreError(); });
 }
 
 grpc::ServerUnaryReactor* ExpertGrpcService::Step(grpc::CallbackServerContext* context,

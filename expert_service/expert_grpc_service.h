@@ -2,6 +2,7 @@
 #define HIMOE_EXPERT_SERVICE_EXPERT_GRPC_SERVICE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -67,11 +68,13 @@ class ExpertGrpcService final : public ExpertServiceBase {
  private:
   // Parses the request, then runs `compute(request, response)` on the pool
   // and finishes from there: a full queue is RESOURCE_EXHAUSTED at once, and
-  // a call whose deadline passed while it waited is not computed.
+  // a call whose deadline passed while it waited is not computed. `after`
+  // (if set) runs on the same worker once the call is answered.
   template <class Request, class Response, class Compute>
   grpc::ServerUnaryReactor* ServeOnPool(grpc::CallbackServerContext* context,
                                         const grpc::ByteBuffer* request,
-                                        grpc::ByteBuffer* response, Compute compute);
+                                        grpc::ByteBuffer* response, Compute compute,
+                                        std::function<void()> after = nullptr);
 
   ExpertServiceCore* core_;
   ComputePool* pool_;

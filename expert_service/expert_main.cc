@@ -58,6 +58,9 @@ ABSL_FLAG(std::string, tls_ca, "",
 ABSL_FLAG(std::string, tls_cert, "", "mutual TLS: PEM certificate (chain) of this process");
 ABSL_FLAG(std::string, tls_key, "", "mutual TLS: PEM private key of --tls_cert");
 ABSL_FLAG(int64_t, max_tokens, 65536, "max rows in one Forward request");
+ABSL_FLAG(bool, defer_weight_grads, true,
+          "answer Backward with the rows' gradient, then compute the weight gradients "
+          "(before the next Backward or Step); false: inside Backward");
 ABSL_FLAG(double, saved_state_ttl_s, 300,
           "seconds a Forward saved for Backward is kept before it is dropped");
 ABSL_FLAG(std::string, state_file, "",
@@ -106,6 +109,7 @@ absl::StatusOr<ExpertServerOptions> OptionsFromFlags() {
   core.group_id = absl::GetFlag(FLAGS_group_id);
   HIMOE_ASSIGN_OR_RETURN(core.device, ParseDevice(absl::GetFlag(FLAGS_device)));
   core.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens);
+  core.defer_weight_grads = absl::GetFlag(FLAGS_defer_weight_grads);
   if (const double ttl = absl::GetFlag(FLAGS_saved_state_ttl_s); ttl >= 0) {
     core.saved_state_ttl = absl::Seconds(ttl);
   } else {

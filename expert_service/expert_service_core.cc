@@ -324,6 +324,9 @@ absl::StatusOr<at::Tensor> ExpertServiceCore::RunBackward(const SavedKey& key,
           key.DebugString(), "; abort the step and redo it"));
     }
     std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+    // Earlier Backwards' weight gradients first: the grads sum in call order.
+    HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
+    DeferWeightGradsScope defer(options_.defer_weight_grads ? &pending_weight_grads_ : nullptr);
     torch::autograd::backward({saved.output}, {grad_output});
     input_grad = saved.input.grad();
     return absl::OkStatus();
@@ -336,6 +339,33 @@ absl::StatusOr<at::Tensor> ExpertServiceCore::RunBackward(const SavedKey& key,
   return input_grad;
 }
 
+absl::Status ExpertServiceCore::RunPendingWeightGradsLocked() {
+  DeferredWeightGrads pending;
+  pending.swap(pending_weight_grads_);
+  for (const auto& work : pending) {
+    if (!weight_grads_error_.ok()) break;
+    weight_grads_error_ = CatchTorchErrors([&] {
+      work();
+      return absl::OkStatus();
+    });
+  }
+  if (weight_grads_error_.ok()) return absl::OkStatus();
+  return absl::Status(weight_grads_error_.code(),
+                      absl::StrCat("a Backward's weight gradients failed (abort the step): ",
+                                   weight_grads_error_.message()));
+}
+
+absl::Status ExpertServiceCore::RunPendingWeightGrads() {
+  std::shared_lock<std::shared_mutex> state_lock(state_mutex_);
+  std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+  return RunPendingWeightGradsLocked();
+}
+
+int64_t ExpertServiceCore::pending_weight_grads() const {
+  std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+  return static_cast<int64_t>(pending_weight_grads_.size());
+}
+
 absl::Status ExpertServiceCore::Step(const v1::ExpertStepRequest& request,
                                      v1::ExpertStepResponse* response) {
   response->Clear();
@@ -344,6 +374,7 @@ absl::Status ExpertServiceCore::Step(const v1::ExpertStepRequest& request,
     {
       std::shared_lock<std::shared_mutex> state_lock(state_mutex_);
       std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+      HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
       HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
         norm = optimizer_->GradNormSquared();
         return absl::OkStatus();
@@ -363,6 +394,10 @@ absl::Status ExpertServiceCore::Step(const v1::ExpertStepRequest& request,
   options.eps = request.eps();
   std::unique_lock<std::shared_mutex> lock(state_mutex_);
   HIMOE_RETURN_IF_ERROR(CheckRun("Step", request.step(), request.run_id()));
+  {
+    std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+    HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
+  }
   HIMOE_ASSIGN_OR_RETURN(const OptimizerStepResult result, optimizer_->Step(options));
   last_applied_step_.store(result.last_applied_step, std::memory_order_relaxed);
   if (result.applied) weights_version_.fetch_add(1, std::memory_order_relaxed);
@@ -381,6 +416,11 @@ absl::Status ExpertServiceCore::Abort(const v1::ExpertAbortRequest& request,
   HIMOE_RETURN_IF_ERROR(CheckRun("Abort", request.step(), request.run_id()));
   response->set_freed(saved_.Abort(request.step()));
   // The failed step's finished Backwards left gradients; a retry starts clean.
+  {
+    std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+    pending_weight_grads_.clear();
+    weight_grads_error_ = absl::OkStatus();
+  }
   optimizer_->ZeroGrad();
   return absl::OkStatus();
 }
@@ -413,6 +453,11 @@ absl::Status ExpertServiceCore::BeginRun(const v1::BeginRunRequest& request,
   response->set_previous_run_id(run_id_);
   response->set_previous_last_applied_step(last_applied_step());
   response->set_freed(saved_.Abort(0));
+  {
+    std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+    pending_weight_grads_.clear();
+    weight_grads_error_ = absl::OkStatus();
+  }
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     at::NoGradGuard no_grad;
     for (int layer = 0; layer < num_layers(); ++layer) {
@@ -488,6 +533,11 @@ absl::Status ExpertServiceCore::SetState(absl::Span<const NamedTensor> tensors) 
     if (parameters_.count(name) == 0) optimizer_state.emplace_back(name, tensor);
   }
   std::unique_lock<std::shared_mutex> lock(state_mutex_);
+  {
+    // Computed from the activations of the weights they belong to.
+    std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+    HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
+  }
   // The optimizer validates the rest (complete per-parameter entries) before
   // changing anything; the parameter copies below cannot fail validation.
   if (!optimizer_state.empty()) {

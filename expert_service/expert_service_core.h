@@ -39,6 +39,13 @@ struct ExpertServiceOptions {
   // Saved Forward states at least this old are dropped by the sweep that
   // starts every Forward, Info and Abort call. >= 0.
   absl::Duration saved_state_ttl = absl::Seconds(300);
+  // Backward computes the rows' gradient and leaves the weight gradients
+  // pending (DeferWeightGradsScope) until RunPendingWeightGrads, the next
+  // Backward, or a Step or SetState, which run them first; an Abort or
+  // BeginRun drops them with the grads. The gRPC service answers Backward,
+  // then runs them, so the weight-gradient products overlap the caller's
+  // next work. Off: computed inside Backward.
+  bool defer_weight_grads = true;
 };
 
 struct ExpertServiceInfo {
@@ -112,6 +119,12 @@ class ExpertServiceCore {
   // and grads zeroed, saved Forwards dropped, last_applied_step 0.
   absl::Status BeginRun(const v1::BeginRunRequest& request, v1::BeginRunResponse* response);
 
+  // Computes the weight gradients the Backwards left pending (in their
+  // order) and adds them to the grads; a no-op when none are.
+  absl::Status RunPendingWeightGrads();
+  // Backwards whose weight gradients are pending.
+  int64_t pending_weight_grads() const;
+
   // Saved Forward states awaiting Backward (no sweep).
   int64_t pending_saved() const;
   uint64_t last_applied_step() const {
@@ -164,6 +177,11 @@ class ExpertServiceCore {
   absl::StatusOr<at::Tensor> RunBackward(const SavedKey& key, SavedForward& saved,
                                          const std::vector<at::Tensor>& grads);
   int num_layers() const { return options_.shape.num_layers(); }
+  // Caller holds state_mutex_ (either side) and grad_mutex_: runs the
+  // pending weight gradients. After an error the grads are incomplete: it
+  // is returned, the rest are dropped, and every later call returns it
+  // until an Abort or BeginRun.
+  absl::Status RunPendingWeightGradsLocked();
   // Caller holds state_mutex_ (either side): OK if `run_id` is the run begun
   // last.
   absl::Status CheckRun(const char* rpc, uint64_t step, const std::string& run_id) const;
@@ -179,7 +197,9 @@ class ExpertServiceCore {
   // SetState.
   mutable std::shared_mutex state_mutex_;
   // Serializes parameter .grad accumulation (Backward) and reading it.
-  std::mutex grad_mutex_;
+  mutable std::mutex grad_mutex_;
+  DeferredWeightGrads pending_weight_grads_;  // guarded by grad_mutex_
+  absl::Status weight_grads_error_;          // guarded by grad_mutex_
   // Bookkeeping only, so Info (const) sweeps it too.
   mutable SavedForwardStore saved_;
   std::atomic<uint64_t> last_applied_step_{0};

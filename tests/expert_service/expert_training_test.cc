@@ -436,6 +436,11 @@ TEST(ExpertTrainingCoreTest, BackwardMatchesLocalAutograd) {
   const std::vector<at::Tensor> grads = RandomGrads(inputs);
   const std::vector<at::Tensor> got = CoreForwardBackward(core.get(), key, inputs, grads);
   EXPECT_EQ(core->pending_saved(), 0);
+  // Backward answered with the rows' gradient; the weight gradients wait.
+  EXPECT_EQ(core->pending_weight_grads(), 1);
+  for (const at::Tensor& p : core->group(1)->parameters()) EXPECT_FALSE(p.grad().defined());
+  ASSERT_TRUE(core->RunPendingWeightGrads().ok());
+  EXPECT_EQ(core->pending_weight_grads(), 0);
 
   const auto local = LocalGroup(1);
   const std::vector<at::Tensor> want = LocalForwardBackward(*local, inputs, grads);
@@ -508,6 +513,47 @@ TEST(ExpertTrainingCoreTest, Bf16OutputGradsGiveBf16InputGrads) {
   EXPECT_LE(MaxAbsDiff(got[0], want[0]), 1e-2 * (1 + want[0].abs().max().item<double>()));
 }
 
+// The weight gradients Backward leaves pending sum, over three micro-batches,
+// to the bits of a core that computes them inside Backward (each Backward
+// runs the earlier one first, a norm-only Step the last); an Abort drops
+// what is pending with the grads.
+TEST(ExpertTrainingCoreTest, PendingWeightGradsSumAsComputedInBackward) {
+  ExpertServiceOptions eager_options = CoreOptions();
+  eager_options.defer_weight_grads = false;
+  auto eager = ExpertServiceCore::Create(eager_options);
+  ASSERT_TRUE(eager.ok()) << eager.status();
+  auto deferred = MakeCore();
+  for (uint32_t mb = 0; mb < 3; ++mb) {
+    SCOPED_TRACE(mb);
+    const Inputs inputs = RandomInputs({{3, 40 + mb}, {2, 33}});
+    const std::vector<at::Tensor> grads = RandomGrads(inputs);
+    const auto want = CoreForwardBackward(eager->get(), Key{1, mb, 1, 0}, inputs, grads);
+    const auto got = CoreForwardBackward(deferred.get(), Key{1, mb, 1, 0}, inputs, grads);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << i;
+    EXPECT_EQ((*eager)->pending_weight_grads(), 0);
+    EXPECT_EQ(deferred->pending_weight_grads(), 1);
+  }
+  EXPECT_EQ(CoreGradNormSquared(deferred.get()), CoreGradNormSquared(eager->get()));
+  EXPECT_EQ(deferred->pending_weight_grads(), 0);
+  const auto want_params = (*eager)->group(1)->named_parameters();
+  const auto got_params = deferred->group(1)->named_parameters();
+  for (size_t i = 0; i < got_params.size(); ++i) {
+    EXPECT_TRUE(at::equal(got_params[i].second.grad(), want_params[i].second.grad()))
+        << got_params[i].first;
+  }
+
+  const Inputs inputs = RandomInputs({{2, 20}});
+  CoreForwardBackward(deferred.get(), Key{2, 0, 1, 0}, inputs, RandomGrads(inputs));
+  EXPECT_EQ(deferred->pending_weight_grads(), 1);
+  v1::ExpertAbortRequest abort;
+  abort.set_step(2);
+  v1::ExpertAbortResponse aborted;
+  ASSERT_TRUE(deferred->Abort(abort, &aborted).ok());
+  EXPECT_EQ(deferred->pending_weight_grads(), 0);
+  EXPECT_EQ(CoreGradNormSquared(deferred.get()), 0.0);
+}
+
 TEST(ExpertTrainingCoreTest, StepMatchesTorchAdamW) {
   auto core = MakeCore();
   auto l0 = LocalGroup(0), l1 = LocalGroup(1);
@@ -523,6 +569,7 @@ TEST(ExpertTrainingCoreTest, StepMatchesTorchAdamW) {
       }
     }
     // The local group gets exactly the core's grads, scaled as the core will.
+    ASSERT_TRUE(core->RunPendingWeightGrads().ok());
     double want_norm = 0;
     for (int layer = 0; layer < kLayers; ++layer) {
       const auto core_params = core->group(layer)->parameters();
