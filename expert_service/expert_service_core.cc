@@ -355,6 +355,12 @@ absl::Status ExpertServiceCore::RunPendingWeightGradsLocked() {
                                    weight_grads_error_.message()));
 }
 
+void ExpertServiceCore::DropPendingWeightGrads() {
+  std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+  pending_weight_grads_.clear();
+  weight_grads_error_ = absl::OkStatus();
+}
+
 absl::Status ExpertServiceCore::RunPendingWeightGrads() {
   std::shared_lock<std::shared_mutex> state_lock(state_mutex_);
   std::lock_guard<std::mutex> grad_lock(grad_mutex_);
@@ -416,11 +422,7 @@ absl::Status ExpertServiceCore::Abort(const v1::ExpertAbortRequest& request,
   HIMOE_RETURN_IF_ERROR(CheckRun("Abort", request.step(), request.run_id()));
   response->set_freed(saved_.Abort(request.step()));
   // The failed step's finished Backwards left gradients; a retry starts clean.
-  {
-    std::lock_guard<std::mutex> grad_lock(grad_mutex_);
-    pending_weight_grads_.clear();
-    weight_grads_error_ = absl::OkStatus();
-  }
+  DropPendingWeightGrads();
   optimizer_->ZeroGrad();
   return absl::OkStatus();
 }
@@ -453,11 +455,7 @@ absl::Status ExpertServiceCore::BeginRun(const v1::BeginRunRequest& request,
   response->set_previous_run_id(run_id_);
   response->set_previous_last_applied_step(last_applied_step());
   response->set_freed(saved_.Abort(0));
-  {
-    std::lock_guard<std::mutex> grad_lock(grad_mutex_);
-    pending_weight_grads_.clear();
-    weight_grads_error_ = absl::OkStatus();
-  }
+  DropPendingWeightGrads();
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     at::NoGradGuard no_grad;
     for (int layer = 0; layer < num_layers(); ++layer) {

@@ -182,6 +182,9 @@ class ExpertServiceCore {
   // is returned, the rest are dropped, and every later call returns it
   // until an Abort or BeginRun.
   absl::Status RunPendingWeightGradsLocked();
+  // Caller holds state_mutex_'s writer side and is about to zero the grads:
+  // forgets the pending weight gradients and their error.
+  void DropPendingWeightGrads();
   // Caller holds state_mutex_ (either side): OK if `run_id` is the run begun
   // last.
   absl::Status CheckRun(const char* rpc, uint64_t step, const std::string& run_id) const;

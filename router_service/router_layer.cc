@@ -368,22 +368,12 @@ Selection RouterLayer::SelectWithinBand(const at::Tensor& logits) {
   solve.upper = ToVector(balance_.upper);
   solve.lower = ToVector(balance_.lower);
   solve.single_precision = balance_.upper.scalar_type() == at::kFloat;
-  solve.step.assign(c.num_experts, solve.single_precision
-                                       ? static_cast<double>(static_cast<float>(c.balance_rate))
-                                       : c.balance_rate);
+  solve.step.assign(c.num_experts, solve.Stored(c.balance_rate));
   solve.last.assign(c.num_experts, 0.0);
-  std::vector<double> bias(c.num_experts);
   const at::Tensor host = logits.detach().to(at::kCPU).contiguous();
+  const double mean = static_cast<double>(logits.size(0) * groups * k) / c.num_experts;
   for (int iteration = 0;; ++iteration) {
-    for (int64_t i = 0; i < c.num_experts; ++i) {
-      // b = lower - upper in the multipliers' dtype (BalanceBias).
-      bias[i] = solve.single_precision
-                    ? static_cast<double>(static_cast<float>(solve.lower[i]) -
-                                          static_cast<float>(solve.upper[i]))
-                    : solve.lower[i] - solve.upper[i];
-    }
-    const std::vector<int64_t> counts = CountSelections(host, bias, groups, k);
-    const double mean = static_cast<double>(logits.size(0) * groups * k) / c.num_experts;
+    const std::vector<int64_t> counts = CountSelections(host, solve.Bias(), groups, k);
     double worst = 0;
     for (const int64_t n : counts) worst = std::max(worst, std::abs(n - mean));
     if (worst / mean <= delta || iteration == kMaxBalanceIterations) break;

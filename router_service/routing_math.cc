@@ -181,6 +181,16 @@ at::Tensor GroupConditionalLoadLoss(const at::Tensor& probs, const at::Tensor& i
          static_cast<double>(num_groups);
 }
 
+std::vector<double> BalanceSolve::Bias() const {
+  std::vector<double> b(upper.size());
+  for (size_t i = 0; i < b.size(); ++i) {
+    b[i] = single_precision
+               ? static_cast<double>(static_cast<float>(lower[i]) - static_cast<float>(upper[i]))
+               : lower[i] - upper[i];
+  }
+  return b;
+}
+
 void BalanceControllerUpdate(BalanceSolve& solve, const std::vector<int64_t>& counts,
                              double target_cv, double band, double rate) {
   const size_t n = counts.size();
@@ -190,9 +200,6 @@ void BalanceControllerUpdate(BalanceSolve& solve, const std::vector<int64_t>& co
       static_cast<double>(std::accumulate(counts.begin(), counts.end(), int64_t{0})) /
       static_cast<double>(n);
   if (mean <= 0) return;
-  const auto stored = [&](double v) {
-    return solve.single_precision ? static_cast<double>(static_cast<float>(v)) : v;
-  };
   const double delta = band * target_cv;
   for (size_t i = 0; i < n; ++i) {
     const double x = (static_cast<double>(counts[i]) - mean) / mean;
@@ -200,10 +207,10 @@ void BalanceControllerUpdate(BalanceSolve& solve, const std::vector<int64_t>& co
     const double step = flipped ? solve.step[i] * 0.5 : std::min(solve.step[i] * 1.2, rate);
     // Each product and sum rounded on its own, as the tensor ops it replaces.
     const double up = step * (x - delta), down = step * (-x - delta);
-    solve.upper[i] = stored(std::max(solve.upper[i] + up, 0.0));
-    solve.lower[i] = stored(std::max(solve.lower[i] + down, 0.0));
-    solve.step[i] = stored(step);
-    solve.last[i] = stored(x);
+    solve.upper[i] = solve.Stored(std::max(solve.upper[i] + up, 0.0));
+    solve.lower[i] = solve.Stored(std::max(solve.lower[i] + down, 0.0));
+    solve.step[i] = solve.Stored(step);
+    solve.last[i] = solve.Stored(x);
   }
 }
 

@@ -142,6 +142,13 @@ struct BalanceState {
 struct BalanceSolve {
   std::vector<double> upper, lower, step, last;
   bool single_precision = true;
+  // `v` as the state stores it.
+  double Stored(double v) const {
+    return single_precision ? static_cast<double>(static_cast<float>(v)) : v;
+  }
+  // The selection bias b = lower - upper, subtracted in the state's dtype
+  // (RouterLayer::BalanceBias).
+  std::vector<double> Bias() const;
 };
 void BalanceControllerUpdate(BalanceSolve& solve, const std::vector<int64_t>& counts,
                              double target_cv, double band, double rate);
