@@ -18,13 +18,22 @@
 
 namespace himoe::expert {
 
+// Counts the contexts alive (calls_in_flight()).
+struct ContextDeleter {
+  std::atomic<int>* live;
+  void operator()(grpc::ClientContext* context) const {
+    delete context;
+    live->fetch_sub(1, std::memory_order_relaxed);
+  }
+};
+
 struct ExpertGroupClient::Call {
   Start start;
   bool failover = true;
   Done done;
   size_t replica = 0;
   ExpertGroupClient::Deadline deadline = ExpertGroupClient::Deadline::max();
-  std::unique_ptr<grpc::ClientContext> context;
+  std::unique_ptr<grpc::ClientContext, ContextDeleter> context;
   std::string errors;  // of replicas tried so far
 };
 
@@ -95,10 +104,19 @@ void ExpertGroupClient::StartCall(Start start, bool failover, Done done, Deadlin
 }
 
 void ExpertGroupClient::Attempt(std::shared_ptr<Call> call) {
-  call->context = std::make_unique<grpc::ClientContext>();
+  calls_in_flight_.fetch_add(1, std::memory_order_relaxed);
+  call->context = std::unique_ptr<grpc::ClientContext, ContextDeleter>(
+      new grpc::ClientContext, ContextDeleter{&calls_in_flight_});
   call->context->set_deadline(
       std::min(call->deadline, std::chrono::system_clock::now() + options_.deadline));
   call->start(stubs_[call->replica].get(), call->context.get(), [this, call](grpc::Status status) {
+    // The context holds a reference to the channel. Released before `done`,
+    // it cannot be the channel's last: otherwise a client destroyed as soon
+    // as `done` returns leaves the channel to die here, on gRPC's callback
+    // thread, which then ends (and frees) gRPC's callback queue under itself
+    // when it was the last one using it: the intermittent "double free" at
+    // the trainer's exit.
+    call->context.reset();
     if (status.ok()) {
       call->done(absl::OkStatus());
       return;

@@ -1,6 +1,7 @@
 #ifndef HIMOE_EXPERT_SERVICE_EXPERT_CLIENT_H_
 #define HIMOE_EXPERT_SERVICE_EXPERT_CLIENT_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -70,6 +71,12 @@ class ExpertGroupClient {
   // naming the address and every differing field otherwise.
   absl::Status CheckInfo(const v1::ExpertShape& expected);
 
+  // Calls whose gRPC context is alive. A call releases its context (and the
+  // reference to the channel it holds) before its `done` runs, so this is 0
+  // when the last `done` runs, and the client may be destroyed right after
+  // it (not from inside a `done`: the channels would die on gRPC's thread).
+  int calls_in_flight() const { return calls_in_flight_.load(std::memory_order_relaxed); }
+
   int group_id() const { return options_.group_id; }
   const std::vector<std::string>& addresses() const { return options_.addresses; }
 
@@ -88,6 +95,7 @@ class ExpertGroupClient {
   ExpertGroupClientOptions options_;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::ExpertService::Stub>> stubs_;
+  std::atomic<int> calls_in_flight_{0};
 };
 
 // Starts n calls (start(i, done) for each i) and waits for every one of them;

@@ -990,6 +990,29 @@ TEST_F(ExpertServiceTest, ClientStateRoundTripsInChunks) {
   EXPECT_THAT(std::string(bad.message()), HasSubstr("unknown tensor name 'layer9.w1'"));
 }
 
+// A call's gRPC context holds a reference to its channel. It is released
+// before `done` runs, so a caller woken by `done` that destroys the client
+// destroys the channels on its own thread, never leaving the last reference to
+// gRPC's callback thread (which would end gRPC's callback queue under itself:
+// the trainer's intermittent double free at exit). Through a failover too.
+TEST_F(ExpertServiceTest, ACallReleasesItsContextBeforeDone) {
+  auto client = Client(kGroup, {"127.0.0.1:1", server_->address()});
+  const at::Tensor a = at::randn({4, kD});
+  const v1::ExpertForwardRequest request = MakeRequest(1, {{3, a}});
+  v1::ExpertForwardResponse response;
+  std::promise<std::pair<absl::Status, int>> finished;
+  client->ForwardAsync(&request, &response, [&](absl::Status s) {
+    finished.set_value({std::move(s), client->calls_in_flight()});
+  });
+  const auto [status, in_flight_at_done] = finished.get_future().get();
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(in_flight_at_done, 0);
+  client.reset();  // right away, as the trainer does at its end
+  ASSERT_EQ(response.outputs_size(), 1);
+  EXPECT_LE(MaxAbsDiff(Decode(response.outputs(0).rows()), LocalForward(*LocalGroup(1), 3, a)),
+            1e-6);
+}
+
 TEST(FanOutTest, WaitsForEveryCallAndReturnsTheFirstError) {
   int started = 0;
   EXPECT_TRUE(FanOut(0, [&](size_t, ExpertGroupClient::Done) { ++started; }).ok());
