@@ -49,7 +49,7 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
   if (c.routing().preset().empty()) c.mutable_routing()->set_preset("paper");
   v1::RouterSpec& r = *c.mutable_router();
   if (r.wire_dtype().empty()) r.set_wire_dtype("float32");
-  if (r.chunk_bytes() == 0) r.set_chunk_bytes(1 << 20);
+  if (r.chunk_bytes() == 0) r.set_chunk_bytes(4 << 20);
   if (r.deadline_ms() == 0) r.set_deadline_ms(10000);
   if (r.max_batch_tokens() == 0) r.set_max_batch_tokens(8192);
   if (r.max_queue_delay_us() == 0) r.set_max_queue_delay_us(500);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <utility>
 
@@ -21,6 +22,17 @@ struct RemoteMoE::ChunkCall {
   v1::ExpertForwardRequest request;
   v1::ExpertForwardResponse response;
   absl::Status status;
+  bool finished = false;  // guarded by InFlight::mu
+};
+
+// The calls of one Forward: sent as they are built, collected in call order.
+struct RemoteMoE::InFlight {
+  using Clock = std::chrono::steady_clock;
+  ChunkCalls calls;
+  std::mutex mu;
+  std::condition_variable finished;
+  Clock::time_point start = Clock::now();
+  std::vector<Clock::time_point> group_done;  // guarded by mu
 };
 
 absl::StatusOr<std::unique_ptr<RemoteMoE>> RemoteMoE::Create(const RemoteMoEOptions& options) {
@@ -77,21 +89,36 @@ absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x,
   MoEOutput out;
   HIMOE_ASSIGN_OR_RETURN(out.routing, routers_[layer]->Route(x, /*training=*/false, segments));
   if (observer_ != nullptr) observer_->OnRouted(layer, out.routing.stats);
-  HIMOE_ASSIGN_OR_RETURN(ChunkCalls calls, BuildCalls(layer, x, out.routing));
-  HIMOE_RETURN_IF_ERROR(SendAll(calls, out.routing, deadline));
-  HIMOE_ASSIGN_OR_RETURN(const std::vector<at::Tensor> outputs, GroupOutputs(calls));
+  InFlight flight;
+  flight.group_done.assign(groups_.size(), flight.start);
+  // Each call goes out as soon as it is built and is decoded as soon as it
+  // (and every call before it) is back: the experts compute while the rows of
+  // later calls are gathered and encoded, and while earlier answers decode.
+  const absl::Status sent = BuildAndSend(layer, x, out.routing, deadline, &flight);
+  absl::StatusOr<std::vector<at::Tensor>> outputs = CollectOutputs(&flight);
+  if (observer_ != nullptr) {
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      const int64_t rows = out.routing.groups[g].token_rows.numel();
+      if (rows == 0) continue;
+      observer_->OnGroupDispatch(
+          static_cast<int>(g),
+          std::chrono::duration<double>(flight.group_done[g] - flight.start).count(), rows);
+    }
+  }
+  HIMOE_RETURN_IF_ERROR(sent);
+  HIMOE_RETURN_IF_ERROR(outputs.status());
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-    out.output = CombineGroupOutputs(x.size(0), x.size(1), out.routing.groups, outputs);
+    out.output = CombineGroupOutputs(x.size(0), x.size(1), out.routing.groups, *outputs);
     return absl::OkStatus();
   }));
   return out;
 }
 
-absl::StatusOr<RemoteMoE::ChunkCalls> RemoteMoE::BuildCalls(int layer, const at::Tensor& x,
-                                                            const RoutingOutput& routing) {
+absl::Status RemoteMoE::BuildAndSend(int layer, const at::Tensor& x, const RoutingOutput& routing,
+                                     expert::ExpertGroupClient::Deadline deadline,
+                                     InFlight* flight) {
   const uint64_t request_id = next_request_id_.fetch_add(1);
-  ChunkCalls calls;
-  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
+  return CatchTorchErrors([&]() -> absl::Status {
     const int64_t row_bytes = options_.shape.d_model() * c10::elementSize(options_.wire_dtype);
     const int64_t rows_per_chunk = std::max<int64_t>(1, options_.chunk_bytes / row_bytes);
     for (size_t g = 0; g < routing.groups.size(); ++g) {
@@ -103,63 +130,59 @@ absl::StatusOr<RemoteMoE::ChunkCalls> RemoteMoE::BuildCalls(int layer, const at:
       const at::Tensor ids = d.expert_ids.to(at::kCPU).contiguous();
       const std::vector<int64_t> experts(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + n);
       for (int64_t begin = 0; begin < n; begin += rows_per_chunk) {
-        auto call = std::make_unique<ChunkCall>();
+        auto owned = std::make_unique<ChunkCall>();
+        ChunkCall* call = owned.get();
         call->group = static_cast<int>(g);
         call->request.set_layer(layer);
         call->request.set_request_id(request_id);
         HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(rows, experts, begin,
                                                        std::min(n, begin + rows_per_chunk),
                                                        call->request.mutable_inputs()));
-        calls.push_back(std::move(call));
+        flight->calls.push_back(std::move(owned));
+        groups_[g]->ForwardAsync(
+            &call->request, &call->response,
+            [flight, call](absl::Status s) {
+              // Notified under the lock: the waiter may return and destroy
+              // `flight` as soon as it can take the lock after this.
+              std::lock_guard<std::mutex> lock(flight->mu);
+              flight->group_done[call->group] =
+                  std::max(flight->group_done[call->group], InFlight::Clock::now());
+              call->status = std::move(s);
+              call->finished = true;
+              flight->finished.notify_all();
+            },
+            deadline);
       }
     }
     return absl::OkStatus();
-  }));
-  return calls;
+  });
 }
 
-absl::Status RemoteMoE::SendAll(ChunkCalls& calls, const RoutingOutput& routing,
-                                expert::ExpertGroupClient::Deadline deadline) {
-  using Clock = std::chrono::steady_clock;
-  std::mutex mu;
-  const Clock::time_point start = Clock::now();
-  std::vector<Clock::time_point> group_done(groups_.size(), start);
-  expert::FanOut(calls.size(), [&](size_t i, expert::ExpertGroupClient::Done done) {
-    ChunkCall* c = calls[i].get();
-    groups_[c->group]->ForwardAsync(
-        &c->request, &c->response, [&, c, done = std::move(done)](absl::Status s) {
-          {
-            std::lock_guard<std::mutex> lock(mu);
-            group_done[c->group] = std::max(group_done[c->group], Clock::now());
-          }
-          c->status = s;
-          done(std::move(s));
-        },
-        deadline);
-  }).IgnoreError();  // each call's status is checked below, in call order
-  if (observer_ != nullptr) {
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      const int64_t rows = routing.groups[g].token_rows.numel();
-      if (rows == 0) continue;
-      observer_->OnGroupDispatch(
-          static_cast<int>(g), std::chrono::duration<double>(group_done[g] - start).count(),
-          rows);
-    }
-  }
-  for (const auto& call : calls) HIMOE_RETURN_IF_ERROR(call->status);
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::vector<at::Tensor>> RemoteMoE::GroupOutputs(ChunkCalls& calls) {
+absl::StatusOr<std::vector<at::Tensor>> RemoteMoE::CollectOutputs(InFlight* flight) {
   std::vector<std::vector<at::Tensor>> pieces(groups_.size());
-  for (const auto& call : calls) {
-    HIMOE_ASSIGN_OR_RETURN(
-        at::Tensor y,
+  absl::Status first;  // the first failure in call order
+  // Waits for every call sent, even after a failure: they write into `flight`.
+  for (const auto& call : flight->calls) {
+    {
+      std::unique_lock<std::mutex> lock(flight->mu);
+      flight->finished.wait(lock, [&] { return call->finished; });
+    }
+    if (!first.ok()) continue;
+    if (!call->status.ok()) {
+      first = call->status;
+      continue;
+    }
+    absl::StatusOr<at::Tensor> y =
         expert::ConcatExpertRows(call->response.mutable_outputs(), call->request.inputs(),
                                  options_.shape.d_model(),
-                                 absl::StrCat("expert group ", call->group, " outputs")));
-    pieces[call->group].push_back(std::move(y));
+                                 absl::StrCat("expert group ", call->group, " outputs"));
+    if (!y.ok()) {
+      first = y.status();
+      continue;
+    }
+    pieces[call->group].push_back(*std::move(y));
   }
+  HIMOE_RETURN_IF_ERROR(first);
   std::vector<at::Tensor> outputs(groups_.size());
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     for (size_t g = 0; g < groups_.size(); ++g) {

@@ -33,9 +33,11 @@ struct RemoteMoEOptions {
   v1::ExpertShape shape;
   std::vector<expert::ExpertGroupClientOptions> groups;  // one per group, in order
   c10::ScalarType wire_dtype = c10::kFloat;               // kFloat or kBFloat16
-  // Rows go out in Forward messages of at most about this many bytes, all in
-  // flight at once: loopback gRPC slows down sharply for multi-MiB messages.
-  int64_t chunk_bytes = 1 << 20;
+  // Rows go out in Forward messages of at most about this many bytes, each
+  // sent as soon as it is built. A service computes a group's messages one
+  // after another, so smaller ones cost it GEMM efficiency; larger ones slow
+  // loopback gRPC down (README, "Chunking").
+  int64_t chunk_bytes = 4 << 20;
 };
 
 // MoE layers whose experts live on remote expert-group services: routes
@@ -75,16 +77,18 @@ class RemoteMoE final : public model::MoELayers {
  private:
   struct ChunkCall;
   using ChunkCalls = std::vector<std::unique_ptr<ChunkCall>>;
+  struct InFlight;
 
   explicit RemoteMoE(const RemoteMoEOptions& options) : options_(options) {}
-  // Every group's dispatched rows, as Forward messages of at most chunk_bytes.
-  absl::StatusOr<ChunkCalls> BuildCalls(int layer, const at::Tensor& x,
-                                        const RoutingOutput& routing);
-  // Sends every call at once and waits for all; reports per-group latency.
-  absl::Status SendAll(ChunkCalls& calls, const RoutingOutput& routing,
-                       expert::ExpertGroupClient::Deadline deadline);
-  // Each group's outputs, row-aligned with its dispatch (undefined if none).
-  absl::StatusOr<std::vector<at::Tensor>> GroupOutputs(ChunkCalls& calls);
+  // Every group's dispatched rows, as Forward messages of at most chunk_bytes,
+  // each sent as soon as it is built. On an error, the calls sent so far stay
+  // in `flight` (CollectOutputs waits for them).
+  absl::Status BuildAndSend(int layer, const at::Tensor& x, const RoutingOutput& routing,
+                            expert::ExpertGroupClient::Deadline deadline, InFlight* flight);
+  // Waits for every call sent and decodes each in call order as it arrives;
+  // each group's outputs, row-aligned with its dispatch (undefined if none),
+  // or the first error in call order.
+  absl::StatusOr<std::vector<at::Tensor>> CollectOutputs(InFlight* flight);
 
   RemoteMoEOptions options_;
   std::vector<std::unique_ptr<RouterLayer>> routers_;

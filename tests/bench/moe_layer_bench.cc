@@ -84,7 +84,7 @@ ABSL_FLAG(int32_t, threads, 0,
           "combine in the remote runs); 0 = all cores");
 ABSL_FLAG(int32_t, expert_threads, 0,
           "--threads of each himoe-expert process; 0 = max(1, cores / num_groups)");
-ABSL_FLAG(std::string, chunk_bytes, "1M",
+ABSL_FLAG(std::string, chunk_bytes, "4M",
           "RemoteMoE chunk_bytes for remote_fp32/remote_bf16 (suffix K or M allowed)");
 ABSL_FLAG(std::string, fp32_chunk_sweep, "",
           "comma-separated extra chunk_bytes values for remote_fp32, e.g. 256K,1M,4M,16M");
