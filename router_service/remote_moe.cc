@@ -28,6 +28,7 @@ struct RemoteMoE::ChunkCall {
 // The calls of one Forward: sent as they are built, collected in call order.
 struct RemoteMoE::InFlight {
   using Clock = std::chrono::steady_clock;
+  explicit InFlight(size_t groups) : group_done(groups, start) {}
   ChunkCalls calls;
   std::mutex mu;
   std::condition_variable finished;
@@ -89,8 +90,7 @@ absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x,
   MoEOutput out;
   HIMOE_ASSIGN_OR_RETURN(out.routing, routers_[layer]->Route(x, /*training=*/false, segments));
   if (observer_ != nullptr) observer_->OnRouted(layer, out.routing.stats);
-  InFlight flight;
-  flight.group_done.assign(groups_.size(), flight.start);
+  InFlight flight(groups_.size());
   // Each call goes out as soon as it is built and is decoded as soon as it
   // (and every call before it) is back: the experts compute while the rows of
   // later calls are gathered and encoded, and while earlier answers decode.
