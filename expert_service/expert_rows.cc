@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/all_finite.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "common/torch_runtime.h"
@@ -37,7 +38,7 @@ absl::StatusOr<at::Tensor> DecodeRows(v1::ExpertRows* entry, const std::string& 
   }
   bool finite = true;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-    finite = x.numel() == 0 || at::isfinite(x).all().item<bool>();
+    finite = AllFinite(x);
     return absl::OkStatus();
   }));
   if (!finite) {

@@ -2,11 +2,14 @@
 
 #include <chrono>
 #include <mutex>
+#include <optional>
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/all_finite.h"
 #include "common/expert_shape.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
@@ -206,8 +209,12 @@ absl::Status ExpertServiceCore::ComputeForward(const v1::ExpertForwardRequest& r
   std::shared_lock<std::shared_mutex> lock(state_mutex_);
   if (save) HIMOE_RETURN_IF_ERROR(CheckRun("Forward", request.step(), request.run_id()));
   return CatchTorchErrors([&]() -> absl::Status {
-    // With grad for a later Backward; the rows become one leaf.
+    // With grad for a later Backward (the rows become one leaf); otherwise
+    // inference mode: no autograd metadata on the views and no version
+    // counters, a fair share of a one-row request's LibTorch time.
     at::AutoGradMode grad_mode(save);
+    std::optional<c10::InferenceMode> inference;
+    if (!save) inference.emplace();
     std::vector<at::Tensor> xs, ids;
     xs.reserve(n_inputs);
     ids.reserve(n_inputs);
@@ -219,7 +226,7 @@ absl::Status ExpertServiceCore::ComputeForward(const v1::ExpertForwardRequest& r
     at::Tensor x = at::cat(xs);
     if (save) x = x.detach().requires_grad_(true);
     HIMOE_ASSIGN_OR_RETURN(const at::Tensor y, group(request.layer())->Forward(x, at::cat(ids)));
-    if (!at::isfinite(y).all().item<bool>()) {
+    if (!AllFinite(y)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer ", request.layer(), ", group ", options_.group_id,
           ": the experts' outputs are not finite (NaN or Inf); the input rows (max |x| = ",

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
@@ -70,7 +71,7 @@ absl::StatusOr<at::Tensor> Generator::NextTokenLogitsLocked(const std::vector<in
               .view({1, keep});
     return absl::OkStatus();
   }));
-  torch::NoGradGuard no_grad;
+  c10::InferenceMode inference;
   // Inference keeps no state on the groups, so the step / micro-batch keys
   // are irrelevant.
   HIMOE_ASSIGN_OR_RETURN(ModelOutput out,
@@ -158,6 +159,8 @@ GeneratorStats Generator::stats() const {
 }
 
 void Generator::DecodeLoop() {
+  // Every tensor of a decoding step lives on this thread, the KV cache too.
+  c10::InferenceMode inference;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     cv_.wait(lock, [&] { return stopping_ || !streams_.empty(); });

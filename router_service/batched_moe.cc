@@ -27,21 +27,25 @@ absl::StatusOr<MoEOutput> BatchedMoE::Forward(int layer, const at::Tensor& x,
     return absl::OkStatus();
   }));
   // Each segment is its own batcher request, so the batcher routes each as
-  // if alone (and may merge them with other traffic).
+  // if alone (and may merge them with other traffic). They are this step's
+  // whole batch, so it starts without waiting for company.
   std::vector<int64_t> segments = call.segments;
   if (segments.empty()) segments.push_back(input.size(0));
   const size_t n = segments.size();
   std::vector<absl::StatusOr<LayerResult>> results(n, absl::UnknownError("not answered"));
   absl::BlockingCounter pending(static_cast<int>(n));
+  std::vector<at::Tensor> rows;
+  std::vector<Batcher::Done> dones;
   int64_t offset = 0;
   for (size_t i = 0; i < n; ++i) {
-    at::Tensor rows = n == 1 ? input : input.narrow(0, offset, segments[i]);
+    rows.push_back(n == 1 ? input : input.narrow(0, offset, segments[i]));
     offset += segments[i];
-    batcher_->Submit(layer, std::move(rows), [&results, &pending, i](absl::StatusOr<LayerResult> r) {
+    dones.push_back([&results, &pending, i](absl::StatusOr<LayerResult> r) {
       results[i] = std::move(r);
       pending.DecrementCount();
     });
   }
+  batcher_->SubmitBatched(layer, std::move(rows), std::move(dones));
   pending.Wait();
   std::vector<at::Tensor> outputs, ids, weights;
   for (absl::StatusOr<LayerResult>& r : results) {

@@ -15,7 +15,9 @@ namespace himoe::router {
 // The router's MoE layers as the LM it serves sees them: every layer call goes
 // through the same Batcher as RouteForward (so concurrent Generate and
 // RouteForward calls share batches), then RemoteMoE (replica failover,
-// metrics). Inference only. `moe` and `batcher` must outlive this.
+// metrics). A call's rows are one caller-made batch (Batcher::SubmitBatched):
+// it starts at once, not after max_queue_delay. Inference only. `moe` and
+// `batcher` must outlive this.
 class BatchedMoE final : public model::MoELayers {
  public:
   BatchedMoE(RemoteMoE* moe, Batcher* batcher) : moe_(moe), batcher_(batcher) {}

@@ -45,6 +45,30 @@ void Batcher::Submit(int layer, at::Tensor x, Done done, Deadline deadline) {
   cv_.notify_all();
 }
 
+void Batcher::SubmitBatched(int layer, std::vector<at::Tensor> xs, std::vector<Done> dones,
+                            Deadline deadline) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    const int64_t depth = static_cast<int64_t>(queue_.size());
+    const int64_t n = static_cast<int64_t>(xs.size());
+    if (depth + n > options_.max_queue_requests) {
+      lock.unlock();
+      const absl::Status full = absl::ResourceExhaustedError(absl::StrCat(
+          "router queue full: ", depth, " requests waiting and ", n, " more (",
+          options_.queue_limit_name, " = ", options_.max_queue_requests, "); retry later"));
+      for (Done& done : dones) done(full);
+      return;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < n; ++i) {
+      queue_.push_back({layer, std::move(xs[i]), std::move(dones[i]), now, deadline,
+                        /*start_now=*/true});
+    }
+    if (options_.on_queue_depth) options_.on_queue_depth(depth + n);
+  }
+  cv_.notify_all();
+}
+
 int64_t Batcher::batches() const {
   std::lock_guard<std::mutex> lock(mu_);
   return batches_;
@@ -83,11 +107,13 @@ void Batcher::Loop() {
     }
     const int layer = queue_.front().layer;
     const auto deadline = queue_.front().enqueued + options_.max_queue_delay;
-    // Tokens of the same layer queued so far, in arrival order, within budget.
+    // Tokens of the same layer queued so far, in arrival order, within
+    // budget; or the budget, when a request there must start now.
     const auto ready_tokens = [&] {
       int64_t tokens = 0;
       for (const Item& item : queue_) {
         if (item.layer != layer) continue;
+        if (item.start_now) return options_.max_batch_tokens;
         if (tokens > 0 && tokens + item.x.size(0) > options_.max_batch_tokens) break;
         tokens += item.x.size(0);
       }

@@ -65,6 +65,15 @@ class Batcher {
   // RESOURCE_EXHAUSTED.
   void Submit(int layer, at::Tensor x, Done done, Deadline deadline = Deadline::max());
 
+  // Requests the caller has batched itself (Generate's decoding step: one per
+  // stream), queued together so that one batch takes them all (within
+  // max_batch_tokens). Their batch starts at once, with whatever of the layer
+  // is queued, instead of waiting max_queue_delay for company: the caller
+  // waits on every token. `dones[i]` answers `xs[i]`. A queue without room
+  // for all of them answers all with RESOURCE_EXHAUSTED.
+  void SubmitBatched(int layer, std::vector<at::Tensor> xs, std::vector<Done> dones,
+                     Deadline deadline = Deadline::max());
+
   int64_t batches() const;  // computations run so far
 
  private:
@@ -74,6 +83,7 @@ class Batcher {
     Done done;
     std::chrono::steady_clock::time_point enqueued;
     Deadline deadline;
+    bool start_now = false;  // from SubmitBatched: its batch does not wait
   };
   void Loop();
   void Run(std::vector<Item> batch);

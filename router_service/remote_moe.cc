@@ -34,6 +34,7 @@ struct RemoteMoE::InFlight {
   std::condition_variable finished;
   Clock::time_point start = Clock::now();
   std::vector<Clock::time_point> group_done;  // guarded by mu
+  const ChunkCall* awaited = nullptr;         // guarded by mu: CollectOutputs waits for it
 };
 
 absl::StatusOr<std::unique_ptr<RemoteMoE>> RemoteMoE::Create(const RemoteMoEOptions& options) {
@@ -143,13 +144,15 @@ absl::Status RemoteMoE::BuildAndSend(int layer, const at::Tensor& x, const Routi
             &call->request, &call->response,
             [flight, call](absl::Status s) {
               // Notified under the lock: the waiter may return and destroy
-              // `flight` as soon as it can take the lock after this.
+              // `flight` as soon as it can take the lock after this. Only
+              // the call it waits for wakes it (answers out of call order
+              // cost no wake-up; it finds them done when it gets there).
               std::lock_guard<std::mutex> lock(flight->mu);
               flight->group_done[call->group] =
                   std::max(flight->group_done[call->group], InFlight::Clock::now());
               call->status = std::move(s);
               call->finished = true;
-              flight->finished.notify_all();
+              if (flight->awaited == call) flight->finished.notify_one();
             },
             deadline);
       }
@@ -165,7 +168,9 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteMoE::CollectOutputs(InFlight* flig
   for (const auto& call : flight->calls) {
     {
       std::unique_lock<std::mutex> lock(flight->mu);
+      flight->awaited = call.get();
       flight->finished.wait(lock, [&] { return call->finished; });
+      flight->awaited = nullptr;
     }
     if (!first.ok()) continue;
     if (!call->status.ok()) {

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
@@ -16,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/all_finite.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "common/host_port.h"
@@ -171,7 +173,7 @@ absl::StatusOr<at::Tensor> DecodeHidden(v1::RouteForwardRequest* request, int64_
   }
   bool finite = true;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-    finite = at::isfinite(x).all().item<bool>();
+    finite = AllFinite(x);
     return absl::OkStatus();
   }));
   if (!finite) return absl::InvalidArgumentError("hidden contains NaN or Inf");
@@ -265,7 +267,7 @@ void RouterGrpcService::Route(v1::RouteForwardRequest* request,
     absl::Status status = result.status();
     if (status.ok()) {
       status = CatchTorchErrors([&] {
-        if (at::isfinite(result->output).all().item<bool>()) return absl::OkStatus();
+        if (AllFinite(result->output)) return absl::OkStatus();
         return absl::InvalidArgumentError(absl::StrCat(
             "layer ", layer, ": the combined output is not finite (NaN or Inf); the hidden "
             "rows (max |x| = ", x->abs().max().item<double>(), ") overflow the gate or the experts"));
@@ -308,7 +310,9 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(
       batching,
       [moe](int layer, const at::Tensor& x, const std::vector<int64_t>& segments,
             Batcher::Deadline deadline) -> absl::StatusOr<LayerResult> {
-        at::NoGradGuard no_grad;
+        // Serving keeps no graph: inference mode also skips the views'
+        // autograd metadata and the version counters.
+        c10::InferenceMode inference;
         // Each merged request is routed as if alone (capacity per request).
         HIMOE_ASSIGN_OR_RETURN(MoEOutput out, moe->Forward(layer, x, deadline, segments));
         return LayerResult{out.output, out.routing.expert_ids,

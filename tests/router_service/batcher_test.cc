@@ -234,5 +234,99 @@ TEST(BatcherTest, ARequestThatExpiredInTheQueueIsNotComputed) {
   EXPECT_EQ(results[3]->output.size(0), 4);
 }
 
+// A caller-made batch (Generate's step) does not wait max_queue_delay for
+// company: with an hour's delay, a request already waiting and the two of
+// SubmitBatched leave at once, as one batch, each answered with its own rows.
+TEST(BatcherTest, ACallerMadeBatchStartsAtOnceWithWhatIsQueued) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::vector<int64_t>> segments;
+  BatcherOptions options;
+  options.max_batches_in_flight = 1;
+  options.max_batch_tokens = 100;
+  options.max_queue_delay = std::chrono::hours(1);
+  Batcher batcher(options, [&](int layer, const at::Tensor& x, const std::vector<int64_t>& rows,
+                               Batcher::Deadline) -> absl::StatusOr<LayerResult> {
+    std::lock_guard<std::mutex> lock(mu);
+    segments.push_back(rows);
+    return LayerResult{x * (layer + 2), at::zeros({x.size(0), 1}, at::kLong),
+                       at::ones({x.size(0), 1})};
+  });
+  const std::vector<at::Tensor> inputs = {at::randn({3, 4}), at::randn({1, 4}), at::randn({2, 4})};
+  std::vector<absl::StatusOr<LayerResult>> results(3, absl::UnknownError("unset"));
+  int answered = 0;
+  const auto answer = [&](int i) {
+    return [&, i](absl::StatusOr<LayerResult> r) {
+      std::lock_guard<std::mutex> lock(mu);
+      results[i] = std::move(r);
+      ++answered;
+      cv.notify_all();
+    };
+  };
+  batcher.Submit(0, inputs[0], answer(0));  // would wait the hour for company
+  batcher.SubmitBatched(0, {inputs[1], inputs[2]}, {answer(1), answer(2)});
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    // Not a timing: an hour's wait would fail it, anything short passes.
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return answered == 3; }));
+  }
+  EXPECT_EQ(batcher.batches(), 1);
+  ASSERT_EQ(segments.size(), 1u);
+  EXPECT_EQ(segments[0], (std::vector<int64_t>{3, 1, 2}));
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(results[i].ok()) << i << ": " << results[i].status();
+    EXPECT_TRUE(at::equal(results[i]->output, inputs[i] * 2)) << i;
+  }
+}
+
+// SubmitBatched on a queue without room for all of its requests answers all
+// of them RESOURCE_EXHAUSTED (none is computed); what was queued still runs.
+TEST(BatcherTest, ACallerMadeBatchThatDoesNotFitIsRefusedWhole) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool computing = false, release = false;
+  int computed_rows = 0;
+  BatcherOptions options;
+  options.max_batches_in_flight = 1;
+  options.max_queue_delay = std::chrono::microseconds(0);
+  options.max_queue_requests = 2;
+  options.queue_limit_name = "router.max_queue_requests";
+  auto batcher = std::make_unique<Batcher>(
+      options, [&](int, const at::Tensor& x, const std::vector<int64_t>&,
+                   Batcher::Deadline) -> absl::StatusOr<LayerResult> {
+        std::unique_lock<std::mutex> lock(mu);
+        computing = true;
+        computed_rows += x.size(0);
+        cv.notify_all();
+        cv.wait(lock, [&] { return release; });
+        return LayerResult{x, at::zeros({x.size(0), 1}, at::kLong), at::ones({x.size(0), 1})};
+      });
+  std::vector<absl::Status> results(4, absl::UnknownError("unset"));
+  batcher->Submit(0, at::randn({2, 3}), [&](auto r) { results[0] = r.status(); });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(30), [&] { return computing; });
+  }
+  batcher->Submit(1, at::randn({5, 3}), [&](auto r) { results[1] = r.status(); });
+  batcher->SubmitBatched(1, {at::randn({7, 3}), at::randn({11, 3})},
+                         {[&](auto r) { results[2] = r.status(); },
+                          [&](auto r) { results[3] = r.status(); }});
+  for (int i : {2, 3}) {
+    EXPECT_EQ(results[i].code(), absl::StatusCode::kResourceExhausted) << i;
+    EXPECT_EQ(results[i].message(),
+              "router queue full: 1 requests waiting and 2 more (router.max_queue_requests = "
+              "2); retry later");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  batcher.reset();
+  EXPECT_TRUE(results[0].ok()) << results[0];
+  EXPECT_TRUE(results[1].ok()) << results[1];
+  EXPECT_EQ(computed_rows, 2 + 5);  // the refused 7 and 11 rows never ran
+}
+
 }  // namespace
 }  // namespace himoe::router
