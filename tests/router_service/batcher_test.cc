@@ -75,34 +75,65 @@ TEST(BatcherTest, MergesQueuedRequestsOfTheSameLayerAndSplitsResults) {
   EXPECT_EQ(results[4]->expert_ids[0][0].item<int64_t>(), 30);
 }
 
-// Beyond max_queue_requests waiting, a request is refused at once, naming
-// the limit; the queued ones are computed.
-TEST(BatcherTest, AFullQueueIsResourceExhaustedAtOnce) {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool release = false, computing = false;
+// A compute that holds every batch until Release(), so that a test can fill
+// the queue behind a batch in flight; counts the rows it computed.
+class HeldCompute {
+ public:
+  Batcher::Compute Fn() {
+    return [this](int, const at::Tensor& x, const std::vector<int64_t>&,
+                  Batcher::Deadline) -> absl::StatusOr<LayerResult> {
+      std::unique_lock<std::mutex> lock(mu_);
+      computing_ = true;
+      rows_ += x.size(0);
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return released_; });
+      return LayerResult{x, at::zeros({x.size(0), 1}, at::kLong), at::ones({x.size(0), 1})};
+    };
+  }
+  void WaitUntilComputing() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(30), [&] { return computing_; });
+  }
+  void Release() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      released_ = true;
+    }
+    cv_.notify_all();
+  }
+  int64_t rows() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return rows_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool computing_ = false, released_ = false;
+  int64_t rows_ = 0;
+};
+
+// One batch in flight, no queue delay, room for two waiting requests.
+BatcherOptions OneBatchQueueOfTwo() {
   BatcherOptions options;
   options.max_batches_in_flight = 1;
   options.max_queue_delay = std::chrono::microseconds(0);
   options.max_queue_requests = 2;
   options.queue_limit_name = "router.max_queue_requests";
+  return options;
+}
+
+// Beyond max_queue_requests waiting, a request is refused at once, naming
+// the limit; the queued ones are computed.
+TEST(BatcherTest, AFullQueueIsResourceExhaustedAtOnce) {
+  HeldCompute held;
+  BatcherOptions options = OneBatchQueueOfTwo();
   std::vector<int64_t> depths;
   options.on_queue_depth = [&depths](int64_t d) { depths.push_back(d); };
-  auto batcher = std::make_unique<Batcher>(
-      options, [&](int, const at::Tensor& x, const std::vector<int64_t>&,
-                   Batcher::Deadline) -> absl::StatusOr<LayerResult> {
-        std::unique_lock<std::mutex> lock(mu);
-        computing = true;
-        cv.notify_all();
-        cv.wait(lock, [&] { return release; });
-        return LayerResult{x, at::zeros({x.size(0), 1}, at::kLong), at::ones({x.size(0), 1})};
-      });
+  auto batcher = std::make_unique<Batcher>(options, held.Fn());
   std::vector<absl::Status> results(4, absl::UnknownError("unset"));
   batcher->Submit(0, at::randn({2, 3}), [&](auto r) { results[0] = r.status(); });
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait_for(lock, std::chrono::seconds(30), [&] { return computing; });
-  }
+  held.WaitUntilComputing();
   // Layer 1, so that the two cannot join the batch in flight.
   for (int i = 1; i < 4; ++i) {
     batcher->Submit(1, at::randn({2, 3}), [&, i](auto r) { results[i] = r.status(); });
@@ -110,11 +141,7 @@ TEST(BatcherTest, AFullQueueIsResourceExhaustedAtOnce) {
   EXPECT_EQ(results[3].code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(results[3].message(),
             "router queue full: 2 requests waiting (router.max_queue_requests = 2); retry later");
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    release = true;
-  }
-  cv.notify_all();
+  held.Release();
   batcher.reset();
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(results[i].ok()) << i << ": " << results[i];
   EXPECT_THAT(depths, ::testing::Contains(2));
@@ -282,31 +309,12 @@ TEST(BatcherTest, ACallerMadeBatchStartsAtOnceWithWhatIsQueued) {
 // SubmitBatched on a queue without room for all of its requests answers all
 // of them RESOURCE_EXHAUSTED (none is computed); what was queued still runs.
 TEST(BatcherTest, ACallerMadeBatchThatDoesNotFitIsRefusedWhole) {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool computing = false, release = false;
-  int computed_rows = 0;
-  BatcherOptions options;
-  options.max_batches_in_flight = 1;
-  options.max_queue_delay = std::chrono::microseconds(0);
-  options.max_queue_requests = 2;
-  options.queue_limit_name = "router.max_queue_requests";
-  auto batcher = std::make_unique<Batcher>(
-      options, [&](int, const at::Tensor& x, const std::vector<int64_t>&,
-                   Batcher::Deadline) -> absl::StatusOr<LayerResult> {
-        std::unique_lock<std::mutex> lock(mu);
-        computing = true;
-        computed_rows += x.size(0);
-        cv.notify_all();
-        cv.wait(lock, [&] { return release; });
-        return LayerResult{x, at::zeros({x.size(0), 1}, at::kLong), at::ones({x.size(0), 1})};
-      });
+  HeldCompute held;
+  BatcherOptions options = OneBatchQueueOfTwo();
+  auto batcher = std::make_unique<Batcher>(options, held.Fn());
   std::vector<absl::Status> results(4, absl::UnknownError("unset"));
   batcher->Submit(0, at::randn({2, 3}), [&](auto r) { results[0] = r.status(); });
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait_for(lock, std::chrono::seconds(30), [&] { return computing; });
-  }
+  held.WaitUntilComputing();
   batcher->Submit(1, at::randn({5, 3}), [&](auto r) { results[1] = r.status(); });
   batcher->SubmitBatched(1, {at::randn({7, 3}), at::randn({11, 3})},
                          {[&](auto r) { results[2] = r.status(); },
@@ -317,15 +325,11 @@ TEST(BatcherTest, ACallerMadeBatchThatDoesNotFitIsRefusedWhole) {
               "router queue full: 1 requests waiting and 2 more (router.max_queue_requests = "
               "2); retry later");
   }
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    release = true;
-  }
-  cv.notify_all();
+  held.Release();
   batcher.reset();
   EXPECT_TRUE(results[0].ok()) << results[0];
   EXPECT_TRUE(results[1].ok()) << results[1];
-  EXPECT_EQ(computed_rows, 2 + 5);  // the refused 7 and 11 rows never ran
+  EXPECT_EQ(held.rows(), 2 + 5);  // the refused 7 and 11 rows never ran
 }
 
 }  // namespace
