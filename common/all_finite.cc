@@ -1,7 +1,6 @@
 #include "common/all_finite.h"
 
 #include <cstdint>
-#include <cstring>
 
 #include <ATen/ATen.h>
 

@@ -1,6 +1,7 @@
 #include "router_service/batcher.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -28,45 +29,43 @@ Batcher::~Batcher() {
 }
 
 void Batcher::Submit(int layer, at::Tensor x, Done done, Deadline deadline) {
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    const int64_t depth = static_cast<int64_t>(queue_.size());
-    if (depth >= options_.max_queue_requests) {
-      lock.unlock();
-      done(absl::ResourceExhaustedError(absl::StrCat(
-          "router queue full: ", depth, " requests waiting (", options_.queue_limit_name, " = ",
-          options_.max_queue_requests, "); retry later")));
-      return;
-    }
-    queue_.push_back(
-        {layer, std::move(x), std::move(done), std::chrono::steady_clock::now(), deadline});
-    if (options_.on_queue_depth) options_.on_queue_depth(depth + 1);
+  std::vector<Item> items;
+  items.push_back(
+      {layer, std::move(x), std::move(done), std::chrono::steady_clock::now(), deadline});
+  if (const std::optional<int64_t> depth = Enqueue(items)) {
+    items[0].done(absl::ResourceExhaustedError(absl::StrCat(
+        "router queue full: ", *depth, " requests waiting (", options_.queue_limit_name, " = ",
+        options_.max_queue_requests, "); retry later")));
   }
-  cv_.notify_all();
 }
 
 void Batcher::SubmitBatched(int layer, std::vector<at::Tensor> xs, std::vector<Done> dones,
                             Deadline deadline) {
+  std::vector<Item> items;
+  const auto now = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    items.push_back({layer, std::move(xs[i]), std::move(dones[i]), now, deadline,
+                     /*start_now=*/true});
+  }
+  if (const std::optional<int64_t> depth = Enqueue(items)) {
+    const absl::Status full = absl::ResourceExhaustedError(absl::StrCat(
+        "router queue full: ", *depth, " requests waiting and ", items.size(), " more (",
+        options_.queue_limit_name, " = ", options_.max_queue_requests, "); retry later"));
+    for (Item& item : items) item.done(full);
+  }
+}
+
+std::optional<int64_t> Batcher::Enqueue(std::vector<Item>& items) {
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     const int64_t depth = static_cast<int64_t>(queue_.size());
-    const int64_t n = static_cast<int64_t>(xs.size());
-    if (depth + n > options_.max_queue_requests) {
-      lock.unlock();
-      const absl::Status full = absl::ResourceExhaustedError(absl::StrCat(
-          "router queue full: ", depth, " requests waiting and ", n, " more (",
-          options_.queue_limit_name, " = ", options_.max_queue_requests, "); retry later"));
-      for (Done& done : dones) done(full);
-      return;
-    }
-    const auto now = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < n; ++i) {
-      queue_.push_back({layer, std::move(xs[i]), std::move(dones[i]), now, deadline,
-                        /*start_now=*/true});
-    }
+    const int64_t n = static_cast<int64_t>(items.size());
+    if (depth + n > options_.max_queue_requests) return depth;
+    for (Item& item : items) queue_.push_back(std::move(item));
     if (options_.on_queue_depth) options_.on_queue_depth(depth + n);
   }
   cv_.notify_all();
+  return std::nullopt;
 }
 
 int64_t Batcher::batches() const {

@@ -7,6 +7,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -85,6 +86,10 @@ class Batcher {
     Deadline deadline;
     bool start_now = false;  // from SubmitBatched: its batch does not wait
   };
+  // Queues all of `items` under one lock and wakes the workers; or, when the
+  // queue has no room for them all, queues none (`items` untouched) and
+  // returns the depth it found.
+  std::optional<int64_t> Enqueue(std::vector<Item>& items);
   void Loop();
   void Run(std::vector<Item> batch);
 
