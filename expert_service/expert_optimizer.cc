@@ -4,6 +4,8 @@
 #include <map>
 #include <set>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -11,12 +13,12 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
-#include <c10/util/string_utils.h>
 #include <torch/optim/adamw.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/optimizer_state_key.h"
 #include "common/squared_norm.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
@@ -31,9 +33,10 @@ std::string ShapeString(at::IntArrayRef shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-// The key torch 1.13's optimizers use for a parameter's state.
-std::string StateKey(const at::Tensor& param) {
-  return c10::guts::to_string(param.unsafeGetTensorImpl());
+using StateKeyType = std::decay_t<decltype(std::declval<torch::optim::AdamW&>().state())>::key_type;
+
+StateKeyType StateKey(const at::Tensor& param) {
+  return OptimizerStateKey<StateKeyType>(param.unsafeGetTensorImpl());
 }
 
 // Splits "layer0.w1.exp_avg" into ("layer0.w1", "exp_avg"); false if the
@@ -359,7 +362,7 @@ absl::Status ExpertOptimizer::SetState(absl::Span<const NamedTensor> tensors) {
     }
   }
   // Build every new entry before touching the optimizer.
-  std::vector<std::pair<std::string, std::unique_ptr<torch::optim::AdamWParamState>>> built;
+  std::vector<std::pair<StateKeyType, std::unique_ptr<torch::optim::AdamWParamState>>> built;
   int64_t last_applied_value = 0;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
     if (last_applied != nullptr) last_applied_value = last_applied->item<int64_t>();

@@ -308,7 +308,7 @@ absl::StatusOr<ModelOutput> TransformerLM::Forward(const at::Tensor& idx, const 
     return absl::InvalidArgumentError(absl::StrCat("model: input must be [B, T <= ",
                                                    options_.block_size, "]"));
   }
-  const MoECall call{step, micro_batch, training};
+  const MoECall call{step, micro_batch, training, /*segments=*/{}};
   ModelOutput out;
   const at::Tensor zero = at::zeros({});
   out.aux = {zero, zero, zero, zero, zero};

@@ -9,6 +9,7 @@
 #include <map>
 #include <sstream>
 #include <system_error>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/file_util.h"
+#include "common/optimizer_state_key.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 #include "model/checkpoint_reader.h"
@@ -226,7 +228,8 @@ absl::Status ValidateOptimizerState(torch::optim::AdamW& real, const std::string
   }
   for (auto& g : scratch.param_groups()) {
     for (const at::Tensor& p : g.params()) {
-      auto it = scratch.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      using Key = std::decay_t<decltype(scratch.state())>::key_type;
+      auto it = scratch.state().find(OptimizerStateKey<Key>(p.unsafeGetTensorImpl()));
       if (it == scratch.state().end()) continue;
       const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
       for (const at::Tensor& t : {s.exp_avg(), s.exp_avg_sq()}) {
