@@ -55,10 +55,12 @@ unpack_debs() {
   say "unpacking ${HIMOE_DEBS} into ${P}"
   mkdir -p "${P}"
   for f in "${HIMOE_DEBS}"/*.deb; do dpkg-deb -x "$f" "${P}"; done
-  if [[ -d "${P}/lib/x86_64-linux-gnu" ]]; then
-    cp -a --update=none "${P}/lib/x86_64-linux-gnu/." "${L}/"
-  fi
   local so name sys
+  # bookworm still ships some libraries in /lib: one folder for all.
+  for so in "${P}"/lib/x86_64-linux-gnu/*; do
+    [[ -e "${so}" || -L "${so}" ]] || continue
+    [[ -e "${L}/$(basename "${so}")" ]] || cp -a "${so}" "${L}/"
+  done
   for so in "${L}"/*.so.*; do
     name=$(basename "${so}")
     if [[ -e /usr/lib/x86_64-linux-gnu/${name} || -e /lib/x86_64-linux-gnu/${name} ]]; then
