@@ -179,9 +179,9 @@ if [[ "${1:-}" == fetch-debs ]]; then
   fetch-debs "${2:?usage: cuda_check.sh fetch-debs DIR}"
   exit
 fi
-for stage in "${@:-build tests train}"; do
-  for s in ${stage}; do
-    ${s} || { say "${s} failed"; exit 1; }
-  done
+stages=("$@")
+[[ $# -gt 0 ]] || stages=(build tests train)
+for s in "${stages[@]}"; do
+  "${s}" || { say "${s} failed"; exit 1; }
 done
 say "all passed"

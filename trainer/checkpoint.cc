@@ -226,9 +226,9 @@ absl::Status ValidateOptimizerState(torch::optim::AdamW& real, const std::string
         absl::StrCat(where, ": optimizer.pt does not fit this model's optimizer: ",
                      loaded.message()));
   }
+  using Key = std::decay_t<decltype(scratch.state())>::key_type;
   for (auto& g : scratch.param_groups()) {
     for (const at::Tensor& p : g.params()) {
-      using Key = std::decay_t<decltype(scratch.state())>::key_type;
       auto it = scratch.state().find(OptimizerStateKey<Key>(p.unsafeGetTensorImpl()));
       if (it == scratch.state().end()) continue;
       const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);

@@ -3,7 +3,6 @@
 #include <torch/torch.h>
 
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
