@@ -146,9 +146,9 @@ std::string KeepHeap() {
 }
 
 // Times a [4,256]x[256,1024] product (an expert's first matrix on a decoding
-// step's rows) as one GEMM and as 4 GEMVs, and has himoe::Linear go rowwise
-// where the GEMVs take under 2/3 of the GEMM: kernel sets without BLIS's
-// small-matrix path pack the whole weight for every GEMM.
+// step's rows) as one GEMM and as SmallRowsLinear, and has himoe::Linear take
+// the small-rows path where it takes under 2/3 of the GEMM: kernel sets
+// without BLIS's small-matrix path pack the whole weight for every GEMM.
 void ChooseSmallProducts(ComputeSetup& setup) {
   const at::Tensor w = ProbeMatrix(1024, 256);
   const at::Tensor x = ProbeMatrix(4, 256);
@@ -163,11 +163,9 @@ void ChooseSmallProducts(ComputeSetup& setup) {
     return 1e6 * best;
   };
   setup.small_gemm_us = best_us([&] { at::linear(x, w); });
-  setup.small_gemv_us = best_us([&] {
-    for (int64_t i = 0; i < x.size(0); ++i) at::mv(w, x[i]);
-  });
+  setup.small_rows_us = best_us([&] { SmallRowsLinear(x, w, at::Tensor()); });
   setup.rowwise_linear_rows =
-      setup.small_gemv_us < setup.small_gemm_us * 2 / 3 ? kRowwiseLinearRowsWhenFaster : 0;
+      setup.small_rows_us < setup.small_gemm_us * 2 / 3 ? kRowwiseLinearRowsWhenFaster : 0;
   SetRowwiseLinearRows(setup.rowwise_linear_rows);
 }
 
@@ -617,10 +615,10 @@ std::string ComputeSetup::Summary() const {
                           blas_thread_gflops[0], blas_thread_gflops[1]);
   }
   if (small_gemm_us > 0) {
-    absl::StrAppendFormat(&line, "; a 4-row product: GEMM %.0f us, 4 GEMVs %.0f us (%s)",
-                          small_gemm_us, small_gemv_us,
+    absl::StrAppendFormat(&line, "; a 4-row product: GEMM %.0f us, small-rows %.0f us (%s)",
+                          small_gemm_us, small_rows_us,
                           rowwise_linear_rows > 0
-                              ? absl::StrCat("rowwise under ", rowwise_linear_rows, " rows")
+                              ? absl::StrCat("small-rows under ", rowwise_linear_rows, " rows")
                               : std::string("GEMM"));
   }
   if (gemm_gflops > 0) {

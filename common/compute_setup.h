@@ -55,9 +55,9 @@ struct ComputeSetup {
   // timed for BLIS's pthreads build only.
   std::vector<double> blas_thread_gflops;
   double gemm_gflops = 0;         // large fp32 GEMMs on `gemm_threads` threads
-  // A [4,256]x[256,1024] product as one GEMM and as 4 GEMVs (microseconds,
+  // A [4,256]x[256,1024] product as one GEMM and as SmallRowsLinear (microseconds,
   // best of several), and the RowwiseLinearRows() chosen from them.
-  double small_gemm_us = 0, small_gemv_us = 0;
+  double small_gemm_us = 0, small_rows_us = 0;
   int64_t rowwise_linear_rows = 0;
   bool split_products = true;
   int gemm_threads = 1;

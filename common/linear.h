@@ -7,24 +7,37 @@
 
 namespace himoe {
 
-// Products of fewer rows than this run as one GEMV per row on the CPU; 0 (the
-// default) = never. The compute set-up sets it from a measurement
+// Products of fewer rows than this run through the small-rows product (or a
+// GEMV per row) on the CPU; 0 (the default) = never. The compute set-up sets it from a measurement
 // (SmallProductsRowwise in common/compute_setup.h).
 int64_t RowwiseLinearRows();
 void SetRowwiseLinearRows(int64_t rows);
 
-// The row count below which rowwise pays where it pays at all: BLAS GEMMs
-// without a small-matrix path pack the whole weight per call.
-inline constexpr int64_t kRowwiseLinearRowsWhenFaster = 8;
+// The row count below which the small-rows product pays where it pays at
+// all: BLAS GEMMs without a small-matrix path pack the whole weight per call
+// (skx, x [R,256] times a [1024,256] weight, float32, one thread: the
+// small-rows product 29 us at 4 rows, 119 us at 16, 243 us at 32; a GEMM of
+// 4 rows 150-210 us).
+inline constexpr int64_t kRowwiseLinearRowsWhenFaster = 16;
 
 // at::linear(x, weight, bias) (bias may be undefined). For a 2-D `x` of fewer
-// than RowwiseLinearRows() rows on the CPU, each row is its own GEMV: BLIS
-// kernel sets without small-matrix ("sup") kernels pack the whole weight for
-// every GEMM, which at a few rows costs several times the product (skx, d 256
-// x 1024 float32, one thread: a GEMM of 2 rows 150 us, two GEMVs 28 us). A
+// than RowwiseLinearRows() rows on the CPU it is SmallRowsLinear where that
+// applies, else one GEMV per row: BLIS kernel sets without small-matrix
+// ("sup") kernels pack the whole weight for every GEMM, which at a few rows
+// costs several times the product (skx, d 256 x 1024 float32, one thread: a
+// GEMM of 4 rows 210 us, four GEMVs 60 us, the small-rows product 29 us). A
 // row's result then does not depend on the rows beside it. Differentiable
-// either way.
+// either way (with autograd recording, rowwise GEMVs).
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+
+// x [R, K] times weight [N, K] transposed, plus bias [N] (or undefined), by
+// this file's own loop: each output one 16-lane dot product summed in a fixed
+// order, the weight read once per 4 rows. For a few rows, where BLAS packs or
+// rereads the weight. Applies to float32 CPU tensors, a contiguous weight,
+// K % 16 == 0, and no autograd recording.
+bool SmallRowsLinearApplies(const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias);
+at::Tensor SmallRowsLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
 }  // namespace himoe
 

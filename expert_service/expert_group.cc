@@ -404,14 +404,31 @@ absl::StatusOr<at::Tensor> ExpertGroup::ForwardFewRows(const at::Tensor& rows,
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
     const at::Tensor ids = expert_ids.to(at::kCPU, at::kLong).contiguous();
     const int64_t* id = ids.data_ptr<int64_t>();
-    const at::Tensor x = rows.to(device_, dtype_);
-    std::vector<at::Tensor> ys;
-    for (int64_t i = 0; i < x.size(0); ++i) {
+    // Each expert's rows together (Linear's small products: a row's result
+    // is what it is alone), then back in the rows' order.
+    std::vector<std::vector<int64_t>> by_expert(experts_per_group());
+    for (int64_t i = 0; i < ids.size(0); ++i) {
       const int64_t s = id[i] - first_expert();
       if (s < 0 || s >= experts_per_group()) return IdsOutsideGroupError();
-      ys.push_back(ExpertFfn(x.narrow(0, i, 1), w1_[s], b1_[s], w2_[s], b2_[s]));
+      by_expert[s].push_back(i);
     }
-    out = at::cat(ys);
+    const at::Tensor x = rows.to(device_, dtype_);
+    std::vector<at::Tensor> ys;
+    std::vector<int64_t> order;
+    for (int s = 0; s < experts_per_group(); ++s) {
+      if (by_expert[s].empty()) continue;
+      const bool all = static_cast<int64_t>(by_expert[s].size()) == x.size(0);
+      ys.push_back(ExpertFfn(all ? x : x.index_select(0, at::tensor(by_expert[s], at::kLong)),
+                             w1_[s], b1_[s], w2_[s], b2_[s]));
+      order.insert(order.end(), by_expert[s].begin(), by_expert[s].end());
+    }
+    if (ys.size() == 1) {
+      out = ys[0];
+      return absl::OkStatus();
+    }
+    std::vector<int64_t> inverse(order.size());
+    for (size_t i = 0; i < order.size(); ++i) inverse[order[i]] = static_cast<int64_t>(i);
+    out = at::cat(ys).index_select(0, at::tensor(inverse, at::kLong).to(x.device()));
     return absl::OkStatus();
   }));
   return out;

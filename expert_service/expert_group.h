@@ -64,9 +64,9 @@ class ExpertGroup {
   int layer_;
   c10::Device device_;
   c10::ScalarType dtype_;
-  // Forward of fewer than RowwiseLinearRows() rows on the CPU (decoding): a
-  // row at a time, its expert's GEMVs, a handful of LibTorch ops per row
-  // where the general path spends a dozen per expert.
+  // Forward of fewer than RowwiseLinearRows() rows on the CPU (decoding): an
+  // expert at a time on its rows (Linear's small products), a handful of
+  // LibTorch ops per expert where the general path spends a dozen.
   absl::StatusOr<at::Tensor> ForwardFewRows(const at::Tensor& rows,
                                             const at::Tensor& expert_ids) const;
   // InvalidArgument: an expert id outside [first_expert, first_expert + S).

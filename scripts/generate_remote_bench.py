@@ -36,6 +36,13 @@ from soak import ROOT, stubs, wait_port_file  # noqa: E402
 PROMPT = b"The fortune says"  # 16 bytes, as generate_bench.cc's shortest contexts
 
 
+def cpu_seconds(pid):
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def median(values):
     """The middle value (the upper one of an even count)."""
     v = sorted(values)
@@ -97,6 +104,7 @@ def main():
             return router_pb2_grpc.RouterServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
 
         stub = start_router("router", [])
+        kv_router = procs[-1]
         # The experts already hold the checkpoint's weights (the first router pushed them).
         recompute_stub = start_router("router_recompute",
                                       ["--kv_cache=false", "--load_expert_state=false"])
@@ -112,6 +120,14 @@ def main():
                 sys.exit(f"generate_remote_bench: got {len(got)} tokens, expected {n}")
             return got, n / took
 
+        experts = procs[:4]
+
+        def cpu_now():
+            """CPU seconds so far: the experts, the KV-cache router, this client."""
+            t = os.times()
+            return (sum(cpu_seconds(p.pid) for p in experts), cpu_seconds(kv_router.pid),
+                    t.user + t.system)
+
         def run(streams):
             counts = []
             lock = threading.Lock()
@@ -121,7 +137,7 @@ def main():
                 with lock:
                     counts.append(len(got))
             threads = [threading.Thread(target=one, args=(s + 1,)) for s in range(streams)]
-            start = time.time()
+            start, cpu_start = time.time(), cpu_now()
             for t in threads:
                 t.start()
             for t in threads:
@@ -130,15 +146,21 @@ def main():
             if len(counts) != streams or min(counts) != a.new_tokens:
                 sys.exit(f"generate_remote_bench: streams got {counts} tokens, "
                          f"expected {a.new_tokens} each")
-            return sum(counts) / took
+            n = sum(counts)
+            # CPU ms per generated token: experts, router, client; idle share of the cores.
+            used = [(e - b) * 1e3 / n for b, e in zip(cpu_start, cpu_now())]
+            idle = 1 - sum(used) * n / 1e3 / (took * os.cpu_count())
+            return n / took, used, idle
 
         run(1)  # warm
         tokens(recompute_stub, PROMPT, 4)
-        rows, kv_rows = [], []
+        rows, kv_rows, cpu_rows = [], [], []
         for _ in range(a.reps):
-            one = run(1)
-            many = run(a.streams)
+            one, one_cpu, one_idle = run(1)
+            many, many_cpu, many_idle = run(a.streams)
             rows.append((one, many))
+            cpu_rows.append((1, one_cpu, one_idle))
+            cpu_rows.append((a.streams, many_cpu, many_idle))
             cached, kv_tps = tokens(stub, kv_prompt, a.kv_new_tokens)
             full, full_tps = tokens(recompute_stub, kv_prompt, a.kv_new_tokens)
             kv_rows.append((full_tps, kv_tps, cached == full))
@@ -164,6 +186,13 @@ def main():
     for i, (one, many) in enumerate(rows, 1):
         lines.append(f"| {i} | {one:.1f} | {many:.1f} | {many / one:.2f} |")
     lines.append(f"| median | | | {median(m / o for o, m in rows):.2f} |")
+    lines += ["", "CPU per generated token (ms, user + system, from /proc) and the share "
+              f"of the {os.cpu_count()} cores left idle, per run:", "",
+              "| streams | 4 experts | router | client | all | cores idle |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for streams, used, idle in cpu_rows:
+        lines.append(f"| {streams} | {used[0]:.2f} | {used[1]:.2f} | {used[2]:.2f} | "
+                     f"{sum(used):.2f} | {idle:.0%} |")
     lines += ["", f"One stream, a {a.kv_prompt}-byte prompt and {a.kv_new_tokens} new tokens "
               f"(contexts {a.kv_prompt}-{a.kv_prompt + a.kv_new_tokens - 1}), seed 1: the KV "
               "cache against a second router that recomputes the whole context "

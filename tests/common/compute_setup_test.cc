@@ -236,17 +236,17 @@ TEST(ComputeSetupTest, TheHeapIsKeptForReuse) {
   std::free(block);
 }
 
-// Small products go rowwise exactly when 4 GEMVs measured under 2/3 of the
+// Small products take the small-rows path exactly when it measured under 2/3 of the
 // 4-row GEMM, and himoe::Linear follows the choice.
 TEST(ComputeSetupTest, SmallProductsGoRowwiseOnlyWhereMeasuredFaster) {
   auto setup = ConfigureCompute(OneThreadWithoutProbes());
   ASSERT_TRUE(setup.ok()) << setup.status();
   EXPECT_GT(setup->small_gemm_us, 0);
-  EXPECT_GT(setup->small_gemv_us, 0);
-  const bool faster = setup->small_gemv_us < setup->small_gemm_us * 2 / 3;
+  EXPECT_GT(setup->small_rows_us, 0);
+  const bool faster = setup->small_rows_us < setup->small_gemm_us * 2 / 3;
   EXPECT_EQ(setup->rowwise_linear_rows, faster ? kRowwiseLinearRowsWhenFaster : 0);
   EXPECT_EQ(RowwiseLinearRows(), setup->rowwise_linear_rows);
-  EXPECT_THAT(setup->Summary(), HasSubstr(faster ? "rowwise under 8 rows" : "(GEMM)"));
+  EXPECT_THAT(setup->Summary(), HasSubstr(faster ? "small-rows under 16 rows" : "(GEMM)"));
 }
 
 }  // namespace

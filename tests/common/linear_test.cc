@@ -47,15 +47,53 @@ TEST_F(LinearTest, EqualsAtLinearForEveryRowCount) {
   }
 }
 
-// Below the switch a row's result is exactly what it is alone.
+// Below the switch a row's result is exactly what it is alone (the weight has
+// an odd row count: both output blocks).
 TEST_F(LinearTest, FewRowsDoNotDependOnTheRowsBesideThem) {
   torch::manual_seed(4);
-  const at::Tensor w = torch::randn({256, 128}), b = torch::randn({256});
+  const at::Tensor w = torch::randn({255, 128}), b = torch::randn({255});
   const at::Tensor x = torch::randn({kRowwiseLinearRowsWhenFaster - 1, 128});
   const at::Tensor together = Linear(x, w, b);
   for (int64_t i = 0; i < x.size(0); ++i) {
     EXPECT_TRUE(torch::equal(together[i], Linear(x.narrow(0, i, 1), w, b)[0])) << "row " << i;
   }
+}
+
+// The small-rows product against the sums in double precision, at every row
+// count of its blocks (4, 2, 1 rows; 2 and 1 outputs), with and without a bias.
+TEST_F(LinearTest, SmallRowsProductIsTheProductInDouble) {
+  torch::manual_seed(6);
+  const at::Tensor w = torch::randn({47, 48}), b = torch::randn({47});
+  for (int64_t rows = 1; rows <= 17; ++rows) {
+    const at::Tensor x = torch::randn({rows, 48});
+    for (const bool with_bias : {true, false}) {
+      const at::Tensor bias = with_bias ? b : at::Tensor();
+      ASSERT_TRUE(SmallRowsLinearApplies(x, w, bias));
+      at::Tensor want = at::mm(x.to(at::kDouble), w.to(at::kDouble).t());
+      if (with_bias) want = want + b.to(at::kDouble);
+      const at::Tensor got = SmallRowsLinear(x, w, bias);
+      ASSERT_EQ(got.sizes(), want.sizes());
+      EXPECT_LT((got.to(at::kDouble) - want).abs().max().item<double>(), 1e-5)
+          << rows << " rows, bias " << with_bias;
+    }
+  }
+}
+
+// Where it does not apply, Linear is still the product: rows of 40 (not a
+// multiple of 16), a transposed weight, doubles, or autograd recording.
+TEST_F(LinearTest, SmallRowsProductOnlyWhereItApplies) {
+  torch::manual_seed(7);
+  const at::Tensor x = torch::randn({3, 48}), w = torch::randn({20, 48}), b = torch::randn({20});
+  EXPECT_FALSE(SmallRowsLinearApplies(torch::randn({3, 40}), torch::randn({20, 40}), b));
+  EXPECT_FALSE(SmallRowsLinearApplies(x, torch::randn({48, 20}).t(), b));
+  EXPECT_FALSE(SmallRowsLinearApplies(x.to(at::kDouble), w.to(at::kDouble), b.to(at::kDouble)));
+  EXPECT_FALSE(SmallRowsLinearApplies(x, w.clone().requires_grad_(true), b));
+  {
+    at::NoGradGuard no_grad;
+    EXPECT_TRUE(SmallRowsLinearApplies(x, w.clone().requires_grad_(true), b));
+  }
+  const at::Tensor wt = torch::randn({48, 20});
+  EXPECT_TRUE(torch::allclose(Linear(x, wt.t(), b), at::linear(x, wt.t(), b), 1e-5, 1e-5));
 }
 
 TEST_F(LinearTest, TurnedOffItIsAtLinear) {
