@@ -9,8 +9,11 @@ training). Measures, alternating --reps times:
   * the KV cache against full recompute (a second himoe-router with
     --kv_cache=false on the same experts): 1 stream, a --kv_prompt-byte
     prompt and --kv_new_tokens new tokens (contexts 192-255 by default),
-    and whether both sampled the same tokens.
-Writes a Markdown table (--out). Needs /usr/bin/python3 with Debian's
+    and whether both sampled the same tokens;
+  * for every 1- and N-stream run, the CPU per generated token of the 4
+    experts, the router and this client (/proc/PID/stat, user + system)
+    and the share of the cores left idle.
+Writes Markdown tables (--out). Needs /usr/bin/python3 with Debian's
 python3-grpcio and python3-grpc-tools.
 
   /usr/bin/python3 scripts/generate_remote_bench.py --build build \
