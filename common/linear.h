@@ -8,8 +8,8 @@
 namespace himoe {
 
 // Products of fewer rows than this run through the small-rows product (or a
-// GEMV per row) on the CPU; 0 (the default) = never. The compute set-up sets it from a measurement
-// (SmallProductsRowwise in common/compute_setup.h).
+// GEMV per row) on the CPU; 0 (the default) = never. The compute set-up sets
+// it from a measurement (ChooseSmallProducts in common/compute_setup.cc).
 int64_t RowwiseLinearRows();
 void SetRowwiseLinearRows(int64_t rows);
 

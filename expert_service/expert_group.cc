@@ -417,18 +417,17 @@ absl::StatusOr<at::Tensor> ExpertGroup::ForwardFewRows(const at::Tensor& rows,
     std::vector<int64_t> order;
     for (int s = 0; s < experts_per_group(); ++s) {
       if (by_expert[s].empty()) continue;
-      const bool all = static_cast<int64_t>(by_expert[s].size()) == x.size(0);
-      ys.push_back(ExpertFfn(all ? x : x.index_select(0, at::tensor(by_expert[s], at::kLong)),
-                             w1_[s], b1_[s], w2_[s], b2_[s]));
+      if (static_cast<int64_t>(by_expert[s].size()) == x.size(0)) {  // one expert: in order
+        out = ExpertFfn(x, w1_[s], b1_[s], w2_[s], b2_[s]);
+        return absl::OkStatus();
+      }
+      ys.push_back(ExpertFfn(x.index_select(0, at::tensor(by_expert[s], at::kLong)), w1_[s],
+                             b1_[s], w2_[s], b2_[s]));
       order.insert(order.end(), by_expert[s].begin(), by_expert[s].end());
-    }
-    if (ys.size() == 1) {
-      out = ys[0];
-      return absl::OkStatus();
     }
     std::vector<int64_t> inverse(order.size());
     for (size_t i = 0; i < order.size(); ++i) inverse[order[i]] = static_cast<int64_t>(i);
-    out = at::cat(ys).index_select(0, at::tensor(inverse, at::kLong).to(x.device()));
+    out = at::cat(ys).index_select(0, at::tensor(inverse, at::kLong));
     return absl::OkStatus();
   }));
   return out;
