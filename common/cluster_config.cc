@@ -1,13 +1,16 @@
 #include "common/cluster_config.h"
 
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
+#include <google/protobuf/descriptor.h>
 #include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/cpu_cores.h"
+#include "common/status_macros.h"
 
 namespace himoe {
 namespace {
@@ -26,6 +29,26 @@ class ErrorCollector : public google::protobuf::io::ErrorCollector {
 
 absl::Status Invalid(absl::string_view origin, absl::string_view message) {
   return absl::InvalidArgumentError(absl::StrCat(origin, ": ", message));
+}
+
+// The text format takes nan and inf for a double; no routing setting means
+// anything with them, and range checks such as "T > 0" let nan through.
+absl::Status CheckRoutingFinite(const v1::RoutingSpec& routing, absl::string_view origin) {
+  const google::protobuf::Reflection& reflection = *routing.GetReflection();
+  const google::protobuf::Descriptor& descriptor = *routing.GetDescriptor();
+  for (int i = 0; i < descriptor.field_count(); ++i) {
+    const google::protobuf::FieldDescriptor& field = *descriptor.field(i);
+    if (field.cpp_type() != google::protobuf::FieldDescriptor::CPPTYPE_DOUBLE ||
+        !reflection.HasField(routing, &field)) {
+      continue;
+    }
+    const double value = reflection.GetDouble(routing, &field);
+    if (!std::isfinite(value)) {
+      return Invalid(origin, absl::StrCat("routing.", field.name(),
+                                          " must be a finite number, got ", value));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -97,6 +120,7 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
                            "max_batches_in_flight must be >= 1, max_queue_delay_us >= 0");
   }
   if (r.threads() < 0) return Invalid(origin, "router.threads must be >= 0");
+  HIMOE_RETURN_IF_ERROR(CheckRoutingFinite(c.routing(), origin));
   if (c.has_tls()) {
     const v1::TlsSpec& t = c.tls();
     if (t.ca().empty() || t.cert().empty() || t.key().empty()) {
