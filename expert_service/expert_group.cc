@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/expert_shape.h"
+#include "common/gelu.h"
 #include "common/linear.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
@@ -47,36 +48,6 @@ int ChunksFor(const at::Tensor& x) {
   return ParallelForEnabled() && !InParallelRegion() ? ThreadsFor(x) : 1;
 }
 
-// oneDNN (LibTorch's CPU GELU for float) JIT-compiles a kernel per shape and
-// caches 1024 of them; a group's row counts change every step, so each call
-// compiled (about 1.5x the GELU's own time, and page faults from the code
-// buffers). Fixed tiles of rows reuse at most kGeluTileRows kernels per
-// width; elementwise, so the values are the same.
-constexpr int64_t kGeluTileRows = 128;
-
-template <typename Op>
-void ForRowTiles(const at::Tensor& like, const Op& op) {
-  const int64_t rows = like.size(0);
-  const int64_t tile = like.is_cpu() ? kGeluTileRows : std::max<int64_t>(rows, 1);
-  for (int64_t b = 0; b < rows; b += tile) op(b, std::min(tile, rows - b));
-}
-
-void GeluOut(at::Tensor& out, const at::Tensor& in) {
-  ForRowTiles(in, [&](int64_t b, int64_t n) {
-    at::Tensor o = out.narrow(0, b, n);
-    at::gelu_out(o, in.narrow(0, b, n));
-  });
-}
-
-at::Tensor GeluBackward(const at::Tensor& grad, const at::Tensor& in) {
-  at::Tensor out = at::empty_like(in);
-  ForRowTiles(in, [&](int64_t b, int64_t n) {
-    at::Tensor o = out.narrow(0, b, n);
-    at::gelu_backward_out(o, grad.narrow(0, b, n), in.narrow(0, b, n));
-  });
-  return out;
-}
-
 // One GroupedExpertFfn backward, piece by piece of its row plan: the rows'
 // gradient (gh, gx) and the weight gradients. Experts without rows get zero
 // weight gradients, as autograd gave them; an expert whose rows two threads
@@ -92,8 +63,8 @@ struct FfnBackward {
   void RowsGrad(size_t t, size_t i) {
     const RowPiece& p = plan[t][i];
     if (!need_x && !need[kW1] && !need[kB1]) return;
-    gh[t][i] = GeluBackward(at::mm(gy.narrow(0, p.begin, p.count), w2[p.expert]),
-                            h.narrow(0, p.begin, p.count));
+    gh[t][i] = at::mm(gy.narrow(0, p.begin, p.count), w2[p.expert]);
+    GeluBackwardOut(gh[t][i], gh[t][i], h.narrow(0, p.begin, p.count));
     if (need_x) {
       at::Tensor o = gx.narrow(0, p.begin, p.count);
       at::mm_out(o, gh[t][i], w1[p.expert]);
@@ -295,7 +266,11 @@ std::vector<std::vector<RowPiece>> PlanRowChunks(const std::vector<int64_t>& cou
 at::Tensor ExpertFfn(const at::Tensor& x, const at::Tensor& w1,
                      const at::Tensor& b1, const at::Tensor& w2,
                      const at::Tensor& b2) {
-  return Linear(at::gelu(Linear(x, w1, b1)), w2, b2);
+  const at::Tensor h = Linear(x, w1, b1);
+  if (at::GradMode::is_enabled() && h.requires_grad()) return Linear(at::gelu(h), w2, b2);
+  at::Tensor a = at::empty_like(h);  // no autograd: the GELU GroupedExpertFfn computes
+  GeluOut(a, h);
+  return Linear(a, w2, b2);
 }
 
 absl::StatusOr<std::unique_ptr<ExpertGroup>> ExpertGroup::Create(const v1::ExpertShape& shape,

@@ -119,7 +119,8 @@ inline constexpr int64_t kMinRowPiece = 32;
 std::vector<std::vector<RowPiece>> PlanRowChunks(const std::vector<int64_t>& counts,
                                                  int chunks, int64_t min_rows);
 
-// The expert FFN on rows of one expert: W2 gelu(W1 x + b1) + b2.
+// The expert FFN on rows of one expert: W2 gelu(W1 x + b1) + b2. Without
+// autograd recording, through GeluOut (common/gelu.h), as GroupedExpertFfn.
 at::Tensor ExpertFfn(const at::Tensor& x, const at::Tensor& w1,
                      const at::Tensor& b1, const at::Tensor& w2,
                      const at::Tensor& b2);
