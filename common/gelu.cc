@@ -6,15 +6,15 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-// GCC warns of the AVX-512 ABI of the always-inline helpers' vector
-// arguments (reported at the end of the file); they never cross a call.
-#pragma GCC diagnostic ignored "-Wpsabi"
+#include "common/vector_lanes.h"
 
 namespace himoe {
 namespace {
 
-using V16 = float __attribute__((vector_size(64)));
-using I16 = int __attribute__((vector_size(64)));
+using lanes::I16;
+using lanes::Load;
+using lanes::Store;
+using lanes::V16;
 constexpr int64_t kLanes = 16;
 
 constexpr float kSqrtHalf = 0.70710678118654752f;
@@ -58,20 +58,8 @@ __attribute__((always_inline)) inline void NormalCdf(V16 x, V16& cdf, V16& gauss
   cdf = 0.5f + 0.5f * (z < 0.0f ? -erf_abs : erf_abs);
 }
 
-__attribute__((always_inline)) inline V16 Load(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-__attribute__((always_inline)) inline void Store(float* p, const V16& v) {
-  std::memcpy(p, &v, sizeof(v));
-}
-
 // n values, a multiple of 16.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
+HIMOE_CPU_CLONES
 void GeluLanes(const float* in, float* out, int64_t n) {
   for (int64_t i = 0; i < n; i += kLanes) {
     const V16 x = Load(in + i);
@@ -81,9 +69,7 @@ void GeluLanes(const float* in, float* out, int64_t n) {
   }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
+HIMOE_CPU_CLONES
 void GeluBackwardLanes(const float* grad, const float* in, float* out, int64_t n) {
   for (int64_t i = 0; i < n; i += kLanes) {
     const V16 x = Load(in + i);

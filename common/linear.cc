@@ -1,29 +1,21 @@
 #include "common/linear.h"
 
 #include <atomic>
-#include <cstring>
 #include <vector>
 
 #include <ATen/ATen.h>
+
+#include "common/vector_lanes.h"
 
 namespace himoe {
 namespace {
 
 std::atomic<int64_t> rowwise_rows{0};
 
-// GCC's vector extensions: one AVX-512 register, two AVX2 ones or four SSE
-// ones, whichever the clone below was compiled for.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
-using V16 = float __attribute__((vector_size(64)));
-using V8 = float __attribute__((vector_size(32)));
-using V4 = float __attribute__((vector_size(16)));
-
-__attribute__((always_inline)) inline V16 Load(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+using lanes::Load;
+using lanes::V16;
+using lanes::V4;
+using lanes::V8;
 
 // The 16 lanes summed in one fixed tree.
 __attribute__((always_inline)) inline float Sum(const V16& s) {
@@ -71,9 +63,7 @@ __attribute__((always_inline)) inline void RowBlock(const float* x, int64_t k, c
 // x [rows, k] . w[n_out, k]^T + bias -> out [rows, n_out], all row-major;
 // k % 16 == 0. The weight is read once per 4 rows, where a GEMV per row reads
 // it per row and a BLIS GEMM without small-matrix kernels packs it whole.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
+HIMOE_CPU_CLONES
 void SmallRowsProduct(const float* x, int64_t rows, const float* w, const float* bias,
                       int64_t n_out, int64_t k, float* out) {
   int64_t r = 0;
@@ -81,7 +71,6 @@ void SmallRowsProduct(const float* x, int64_t rows, const float* w, const float*
   for (; r + 2 <= rows; r += 2) RowBlock<2>(x + r * k, k, w, bias, out + r * n_out, n_out);
   for (; r < rows; ++r) RowBlock<1>(x + r * k, k, w, bias, out + r * n_out, n_out);
 }
-#pragma GCC diagnostic pop
 
 bool NeedsGrad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
 
