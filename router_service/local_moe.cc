@@ -8,6 +8,7 @@
 #include "common/expert_shape.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
+#include "router_service/dispatch_combine.h"
 
 namespace himoe::router {
 
@@ -53,15 +54,15 @@ absl::StatusOr<std::unique_ptr<LocalMoE>> LocalMoE::Create(
 absl::StatusOr<MoEOutput> LocalMoE::Forward(const at::Tensor& x, bool training) {
   MoEOutput out;
   HIMOE_ASSIGN_OR_RETURN(out.routing, router_->Route(x, training));
+  std::vector<at::Tensor> rows;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    rows = DispatchGroupRows(x, out.routing.groups);
+    return absl::OkStatus();
+  }));
   std::vector<at::Tensor> outputs(groups_.size());
   for (size_t g = 0; g < groups_.size(); ++g) {
-    const GroupDispatch& d = out.routing.groups[g];
-    at::Tensor rows;
-    HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-      rows = x.index_select(0, d.token_rows);
-      return absl::OkStatus();
-    }));
-    HIMOE_ASSIGN_OR_RETURN(outputs[g], groups_[g]->Forward(rows, d.expert_ids));
+    HIMOE_ASSIGN_OR_RETURN(outputs[g],
+                           groups_[g]->Forward(rows[g], out.routing.groups[g].expert_ids));
   }
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     out.output = CombineGroupOutputs(x.size(0), x.size(1), out.routing.groups, outputs);

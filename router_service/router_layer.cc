@@ -416,18 +416,4 @@ std::vector<GroupDispatch> BuildDispatchPlan(const at::Tensor& expert_ids,
   return plan;
 }
 
-at::Tensor CombineGroupOutputs(int64_t num_tokens, int64_t d_model,
-                               const std::vector<GroupDispatch>& groups,
-                               const std::vector<at::Tensor>& outputs) {
-  const auto device = groups.empty() ? at::Device(at::kCPU)
-                                     : groups.front().token_rows.device();
-  at::Tensor out = at::zeros({num_tokens, d_model}, at::dtype(at::kFloat).device(device));
-  for (size_t g = 0; g < groups.size(); ++g) {
-    if (groups[g].token_rows.numel() == 0) continue;
-    const at::Tensor y = outputs[g].to(device, at::kFloat);
-    out = out.index_add(0, groups[g].token_rows, y * groups[g].weights.unsqueeze(1));
-  }
-  return out;
-}
-
 }  // namespace himoe::router

@@ -177,12 +177,6 @@ std::vector<GroupDispatch> BuildDispatchPlan(const at::Tensor& expert_ids,
                                              int64_t num_groups,
                                              int64_t experts_per_group);
 
-// out[t] = sum over groups and rows of weight * expert_output, [T, d] float.
-// `outputs[g]` holds group g's expert outputs, row-aligned with groups[g].
-at::Tensor CombineGroupOutputs(int64_t num_tokens, int64_t d_model,
-                               const std::vector<GroupDispatch>& groups,
-                               const std::vector<at::Tensor>& outputs);
-
 }  // namespace himoe::router
 
 #endif  // HIMOE_ROUTER_SERVICE_ROUTER_LAYER_H_

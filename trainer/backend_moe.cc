@@ -8,6 +8,7 @@
 #include "common/profile_scope.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
+#include "router_service/dispatch_combine.h"
 
 namespace himoe::trainer {
 
@@ -46,10 +47,8 @@ absl::StatusOr<router::MoEOutput> BackendMoE::Forward(int layer, const at::Tenso
     std::vector<at::Tensor> rows, ids;
     {
       HIMOE_PROFILE_SCOPE("dispatch");
-      for (const router::GroupDispatch& d : out.routing.groups) {
-        rows.push_back(x.index_select(0, d.token_rows));
-        ids.push_back(d.expert_ids);
-      }
+      rows = router::DispatchGroupRows(x, out.routing.groups);
+      for (const router::GroupDispatch& d : out.routing.groups) ids.push_back(d.expert_ids);
     }
     std::vector<at::Tensor> outputs;
     {

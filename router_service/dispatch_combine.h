@@ -1,0 +1,35 @@
+#ifndef HIMOE_ROUTER_SERVICE_DISPATCH_COMBINE_H_
+#define HIMOE_ROUTER_SERVICE_DISPATCH_COMBINE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "router_service/router_layer.h"
+
+namespace himoe::router {
+
+// The two ends of an MoE layer around its experts, with their backward.
+// On float32 CPU tensors each is one autograd node whose loops run over the
+// tokens (a token's sum is its own, in group order, so results do not depend
+// on the thread count); LibTorch's index_select / index_add each cost a pass
+// over all rows per group and ran on one thread. Elsewhere (other devices or
+// dtypes) they are those ATen ops.
+
+// rows[g] = x[groups[g].token_rows], [n_g, d]. Backward: a token's gradient
+// is the sum of its rows' gradients, group by group.
+std::vector<at::Tensor> DispatchGroupRows(const at::Tensor& x,
+                                          const std::vector<GroupDispatch>& groups);
+
+// out[t] = sum over groups and rows of weight * expert_output, [T, d] float.
+// `outputs[g]` holds group g's expert outputs, row-aligned with groups[g].
+// Backward: each row's gradient is weight * grad_out[t], its weight's
+// gradient is the dot product of grad_out[t] and the row.
+at::Tensor CombineGroupOutputs(int64_t num_tokens, int64_t d_model,
+                               const std::vector<GroupDispatch>& groups,
+                               const std::vector<at::Tensor>& outputs);
+
+}  // namespace himoe::router
+
+#endif  // HIMOE_ROUTER_SERVICE_DISPATCH_COMBINE_H_
