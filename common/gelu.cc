@@ -11,37 +11,16 @@
 namespace himoe {
 namespace {
 
+using lanes::ExpNonPositive;
 using lanes::I16;
 using lanes::Load;
+using lanes::Splat;
 using lanes::Store;
 using lanes::V16;
 constexpr int64_t kLanes = 16;
 
 constexpr float kSqrtHalf = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
-
-__attribute__((always_inline)) inline V16 Splat(float v) { return V16{} + v; }
-
-// exp(x) for x <= 0: Cephes's expf (x = n ln 2 + r, a degree-6 polynomial in
-// r, times 2^n); 0 below -87, where 2^n leaves the normal floats.
-__attribute__((always_inline)) inline V16 ExpNonPositive(V16 x) {
-  const I16 underflow = x < -87.0f;
-  const V16 fx = x * 1.44269504088896341f + 0.5f;
-  V16 fn = __builtin_convertvector(__builtin_convertvector(fx, I16), V16);
-  fn = fn > fx ? fn - 1.0f : fn;  // floor (the conversion truncates)
-  const V16 r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-  V16 p = Splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const I16 bits = (__builtin_convertvector(fn, I16) + 127) << 23;
-  V16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return underflow ? Splat(0.0f) : p * scale;
-}
 
 // Phi(x) and exp(-x^2 / 2): erf(z), z = x / sqrt(2), as 1 - t P(t) exp(-z^2)
 // with t = 1 / (1 + p |z|) (Abramowitz and Stegun 7.1.26), odd in z.

@@ -1,7 +1,8 @@
 #ifndef HIMOE_COMMON_VECTOR_LANES_H_
 #define HIMOE_COMMON_VECTOR_LANES_H_
 
-// The project's own CPU loops (common/linear.cc, common/gelu.cc): GCC's
+// The project's own CPU loops (common/linear.cc, common/gelu.cc, the MoE
+// layer's dispatch and combine, attention): GCC's
 // vector extensions, one AVX-512 register, two AVX2 ones or four SSE ones,
 // whichever clone HIMOE_CPU_CLONES compiled. Only for .cc files: the
 // always-inline helpers never cross a call (GCC's -Wpsabi, which warns of
@@ -34,6 +35,29 @@ __attribute__((always_inline)) inline V16 Load(const float* p) {
 
 __attribute__((always_inline)) inline void Store(float* p, const V16& v) {
   std::memcpy(p, &v, sizeof(v));
+}
+
+__attribute__((always_inline)) inline V16 Splat(float v) { return V16{} + v; }
+
+// exp(x) for x <= 0: Cephes's expf (x = n ln 2 + r, a degree-6 polynomial in
+// r, times 2^n); 0 below -87, where 2^n leaves the normal floats.
+__attribute__((always_inline)) inline V16 ExpNonPositive(V16 x) {
+  const I16 underflow = x < -87.0f;
+  const V16 fx = x * 1.44269504088896341f + 0.5f;
+  V16 fn = __builtin_convertvector(__builtin_convertvector(fx, I16), V16);
+  fn = fn > fx ? fn - 1.0f : fn;  // floor (the conversion truncates)
+  const V16 r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+  V16 p = Splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const I16 bits = (__builtin_convertvector(fn, I16) + 127) << 23;
+  V16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return underflow ? Splat(0.0f) : p * scale;
 }
 
 }  // namespace himoe::lanes

@@ -104,16 +104,7 @@ absl::StatusOr<std::shared_ptr<TransformerLM>> TransformerLM::Create(const Model
 
 at::Tensor TransformerLM::Attention(Block& b, const at::Tensor& x) {
   HIMOE_PROFILE_SCOPE("attention");
-  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = options_.n_head;
-  const auto qkv = b.qkv->forward(x).split(C, 2);
-  const auto heads = [&](const at::Tensor& t) {
-    return t.view({B, T, H, C / H}).transpose(1, 2);
-  };
-  const at::Tensor y = CausalSelfAttention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]))
-                           .transpose(1, 2)
-                           .contiguous()
-                           .view({B, T, C});
-  return b.proj->forward(y);
+  return b.proj->forward(CausalSelfAttention(b.qkv->forward(x), options_.n_head));
 }
 
 std::unique_ptr<KvCachePool> TransformerLM::NewKvCachePool() const {

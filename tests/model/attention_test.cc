@@ -18,36 +18,111 @@ at::Tensor ReferenceAttention(const at::Tensor& q, const at::Tensor& k, const at
   return at::matmul(att, v);
 }
 
-// Output and the gradients of q, k and v equal the reference at 1, 2 and 3
-// threads (3 blocks of the 5 heads: uneven), on transposed views as the LM
-// passes them; the first position attends to itself alone (y = v there).
+at::Tensor Heads(const at::Tensor& qkv, int64_t n_head, int i) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), C = qkv.size(2) / 3;
+  return qkv.narrow(2, i * C, C).view({B, T, n_head, C / n_head}).transpose(1, 2);
+}
+
+// The reference on qkv [B, T, 3C], heads back side by side: [B, T, C].
+at::Tensor ReferencePacked(const at::Tensor& qkv, int64_t n_head) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), C = qkv.size(2) / 3;
+  return ReferenceAttention(Heads(qkv, n_head, 0), Heads(qkv, n_head, 1), Heads(qkv, n_head, 2))
+      .transpose(1, 2)
+      .reshape({B, T, C});
+}
+
+struct Result {
+  at::Tensor y, grad;
+};
+
+// y and qkv's gradient under a loss sum(y * weights); the reference in
+// double.
+Result Attend(const at::Tensor& qkv, int64_t n_head, const at::Tensor& weights, bool reference) {
+  const at::ScalarType type = reference ? at::kDouble : qkv.scalar_type();
+  const at::Tensor leaf = qkv.to(type).clone().requires_grad_(true);
+  const at::Tensor y =
+      reference ? ReferencePacked(leaf, n_head) : CausalSelfAttention(leaf, n_head);
+  (y * weights.to(type)).sum().backward();
+  return {y.detach(), leaf.grad()};
+}
+
+double MaxError(const at::Tensor& got, const at::Tensor& want) {
+  return (got.to(at::kDouble) - want).abs().max().item<double>();
+}
+
+// Head widths that are not a multiple of 16 (here 4) take the per-head bmm
+// path: output and qkv's gradient equal the reference at 1, 2 and 3 threads
+// (3 blocks of the 5 heads: uneven); the first position attends to itself
+// alone (y = v there).
 TEST(CausalSelfAttentionTest, MatchesTheReferenceOnEveryThreadCount) {
   const int saved_threads = at::get_num_threads();
   at::manual_seed(3);
   const int64_t B = 5, H = 1, T = 7, D = 4;
   const at::Tensor qkv = at::randn({B, T, 3 * H * D});
-  const at::Tensor weights = at::randn({B, H, T, D});
+  const at::Tensor weights = at::randn({B, T, H * D});
   for (const int threads : {1, 2, 3}) {
     SCOPED_TRACE(threads);
     at::set_num_threads(threads);
-    const auto heads = [&](const at::Tensor& t, int i) {
-      return t.narrow(2, i * H * D, H * D).view({B, T, H, D}).transpose(1, 2);
-    };
-    const at::Tensor leaf = qkv.clone().requires_grad_(true);
-    const at::Tensor y = CausalSelfAttention(heads(leaf, 0), heads(leaf, 1), heads(leaf, 2));
-    (y * weights).sum().backward();
-    const at::Tensor ref_leaf = qkv.clone().requires_grad_(true);
-    const at::Tensor want =
-        ReferenceAttention(heads(ref_leaf, 0), heads(ref_leaf, 1), heads(ref_leaf, 2));
-    (want * weights).sum().backward();
-
-    ASSERT_EQ(y.sizes(), want.sizes());
-    EXPECT_LE((y - want).abs().max().item<double>(), 1e-6);
-    EXPECT_LE((leaf.grad() - ref_leaf.grad()).abs().max().item<double>(), 1e-6);
-    EXPECT_GT(leaf.grad().abs().sum().item<double>(), 0);
-    EXPECT_TRUE(at::allclose(y.select(2, 0), heads(qkv, 2).select(2, 0), 1e-6, 1e-7));
+    const Result got = Attend(qkv, H, weights, false);
+    const Result want = Attend(qkv, H, weights, true);
+    ASSERT_EQ(got.y.sizes(), want.y.sizes());
+    EXPECT_LE(MaxError(got.y, want.y), 1e-6);
+    EXPECT_LE(MaxError(got.grad, want.grad), 1e-6);
+    EXPECT_GT(got.grad.abs().sum().item<double>(), 0);
+    EXPECT_TRUE(at::allclose(got.y.select(1, 0), qkv.narrow(2, 2 * H * D, H * D).select(1, 0),
+                             1e-6, 1e-7));
   }
   at::set_num_threads(saved_threads);
+}
+
+// The packed loops (head widths 16, 32 and 48: one, two, and two plus one
+// 16-value lanes; lengths below, at and past the 32-key score blocks)
+// against the reference in double, output and every part of qkv's gradient, with
+// logits large enough that the softmax is far from uniform.
+TEST(CausalSelfAttentionTest, PackedLoopsMatchTheReference) {
+  at::manual_seed(5);
+  for (const int64_t d_h : {16, 32, 48}) {
+    for (const int64_t T : {1, 5, 32, 37, 128}) {
+      SCOPED_TRACE(testing::Message() << "d_h " << d_h << ", T " << T);
+      const int64_t B = 2, H = 3, C = H * d_h;
+      const at::Tensor qkv = at::randn({B, T, 3 * C}) * 1.5;
+      const at::Tensor weights = at::randn({B, T, C});
+      const Result got = Attend(qkv, H, weights, false);
+      const Result want = Attend(qkv, H, weights, true);
+      ASSERT_EQ(got.y.sizes(), want.y.sizes());
+      // Float32 rounding of sums of up to 128 terms of size ~1-5.
+      EXPECT_LE(MaxError(got.y, want.y), 2e-6 * (1 + want.y.abs().max().item<double>()));
+      for (int part = 0; part < 3; ++part) {  // q, k, v
+        const at::Tensor g = got.grad.narrow(2, part * C, C);
+        const at::Tensor w = want.grad.narrow(2, part * C, C);
+        EXPECT_LE(MaxError(g, w), 2e-6 * (1 + w.abs().max().item<double>())) << "part " << part;
+      }
+      // Position 0 sees itself alone: y = v, and q gets no gradient there.
+      EXPECT_TRUE(at::allclose(got.y.select(1, 0), qkv.narrow(2, 2 * C, C).select(1, 0), 1e-6,
+                               1e-6));
+      EXPECT_EQ(got.grad.narrow(2, 0, C).select(1, 0).abs().max().item<double>(), 0.0);
+    }
+  }
+}
+
+// A head's result is its own: 1 and 2 threads give the same bits, and a
+// query's output does not depend on the positions after it.
+TEST(CausalSelfAttentionTest, PackedLoopsSameBitsOnAnyThreadCount) {
+  const int saved_threads = at::get_num_threads();
+  at::manual_seed(9);
+  const int64_t B = 3, H = 4, T = 50, C = H * 32;
+  const at::Tensor qkv = at::randn({B, T, 3 * C});
+  const at::Tensor weights = at::randn({B, T, C});
+  at::set_num_threads(1);
+  const Result one = Attend(qkv, H, weights, false);
+  at::set_num_threads(2);
+  const Result two = Attend(qkv, H, weights, false);
+  at::set_num_threads(saved_threads);
+  EXPECT_TRUE(at::equal(one.y, two.y));
+  EXPECT_TRUE(at::equal(one.grad, two.grad));
+  at::NoGradGuard no_grad;
+  const at::Tensor prefix = CausalSelfAttention(qkv.narrow(1, 0, 20).contiguous(), H);
+  EXPECT_TRUE(at::equal(prefix, one.y.narrow(1, 0, 20)));
 }
 
 }  // namespace
