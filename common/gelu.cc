@@ -13,11 +13,11 @@ namespace {
 
 using lanes::ExpNonPositive;
 using lanes::I16;
+using lanes::kLanes;
 using lanes::Load;
 using lanes::Splat;
 using lanes::Store;
 using lanes::V16;
-constexpr int64_t kLanes = 16;
 
 constexpr float kSqrtHalf = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;

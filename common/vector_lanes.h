@@ -8,6 +8,7 @@
 // always-inline helpers never cross a call (GCC's -Wpsabi, which warns of
 // their AVX-512 argument ABI, is off where this is included).
 
+#include <cstdint>
 #include <cstring>
 
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -22,6 +23,8 @@
 
 namespace himoe::lanes {
 
+inline constexpr int64_t kLanes = 16;  // floats in a V16
+
 using V16 = float __attribute__((vector_size(64)));
 using V8 = float __attribute__((vector_size(32)));
 using V4 = float __attribute__((vector_size(16)));
@@ -35,6 +38,13 @@ __attribute__((always_inline)) inline V16 Load(const float* p) {
 
 __attribute__((always_inline)) inline void Store(float* p, const V16& v) {
   std::memcpy(p, &v, sizeof(v));
+}
+
+// The lanes added in lane order (a fixed order: the same bits on any thread).
+__attribute__((always_inline)) inline float Sum(const V16& v) {
+  float sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += v[l];
+  return sum;
 }
 
 __attribute__((always_inline)) inline V16 Splat(float v) { return V16{} + v; }

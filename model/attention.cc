@@ -17,10 +17,10 @@ namespace himoe::model {
 namespace {
 
 using lanes::ExpNonPositive;
+using lanes::kLanes;
 using lanes::Load;
 using lanes::Store;
 using lanes::V16;
-constexpr int64_t kLanes = 16;
 constexpr int64_t kScoreBlock = 2 * kLanes;
 
 int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -119,9 +119,7 @@ __attribute__((always_inline)) inline void SoftmaxRow(float* s, int64_t n) {
     Store(s + c, e);
     sum += e;
   }
-  float total = 0;
-  for (int l = 0; l < kLanes; ++l) total += sum[l];
-  const float inv = 1.0f / total;
+  const float inv = 1.0f / lanes::Sum(sum);
   for (int64_t c = 0; c < nv; c += kLanes) Store(s + c, Load(s + c) * inv);
 }
 
@@ -169,8 +167,7 @@ void HeadBackward(const HeadShape& h, Rows q, Rows k, Rows v, const float* p, Ro
     // Softmax backward: dS = P (dP - sum_j P dP), then the 1/sqrt(d_h).
     V16 acc{};
     for (int64_t c = 0; c < nv; c += kLanes) acc += Load(row + c) * Load(dp + c);
-    float dot = 0;
-    for (int l = 0; l < kLanes; ++l) dot += acc[l];
+    const float dot = lanes::Sum(acc);
     float* ds_i = ds + i * h.tp;
     for (int64_t c = 0; c < nv; c += kLanes) {
       Store(ds_i + c, Load(row + c) * (Load(dp + c) - dot) * h.scale);

@@ -13,12 +13,12 @@
 namespace himoe::router {
 namespace {
 
+using lanes::kLanes;
 using lanes::Load;
 using lanes::Store;
 using lanes::V16;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-constexpr int64_t kLanes = 16;
 constexpr int64_t kGrainRows = 64;
 
 // out = sum_j scale[j] * rows[j] (scale null: 1) over d values, in j order;
@@ -68,8 +68,7 @@ float Dot(const float* a, const float* b, int64_t d) {
   V16 acc{};
   int64_t c = 0;
   for (; c + kLanes <= d; c += kLanes) acc += Load(a + c) * Load(b + c);
-  float sum = 0;
-  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
+  float sum = lanes::Sum(acc);
   for (; c < d; ++c) sum += a[c] * b[c];
   return sum;
 }
