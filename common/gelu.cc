@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "common/parallel_for.h"
 #include "common/vector_lanes.h"
 
 namespace himoe {
@@ -70,7 +71,7 @@ template <int kInputs, typename Lanes>
 void ForLanes(int64_t n, const float* const (&inputs)[kInputs], float* out, const Lanes& lanes) {
   constexpr int64_t kGrainLanes = 2048;  // 32 K values per task
   const int64_t whole = n / kLanes;
-  at::parallel_for(0, whole, kGrainLanes, [&](int64_t begin, int64_t end) {
+  ParallelForRange(0, whole, kGrainLanes, at::get_num_threads(), [&](int64_t begin, int64_t end) {
     const float* in[kInputs];
     for (int k = 0; k < kInputs; ++k) in[k] = inputs[k] + begin * kLanes;
     lanes(in, out + begin * kLanes, (end - begin) * kLanes);

@@ -15,6 +15,17 @@ namespace himoe {
 // by fn is rethrown here (the first one) after every thread is done.
 void ParallelFor(int64_t n, int threads, const std::function<void(int64_t)>& fn);
 
+// at::parallel_for's contract on the same pool: [begin, end) cut into at
+// most `threads` contiguous chunks of at least `grain` indices (the last may
+// be shorter), fn(chunk_begin, chunk_end) once per chunk, each on its own
+// thread; inline when there is one chunk or already inside a parallel region.
+// Exceptions as ParallelFor. The project's code calls this, never
+// at::parallel_for: that is a header template whose OpenMP region exists
+// only in a translation unit compiled with -fopenmp, and only this library's
+// are, so elsewhere it ran every range on the calling thread.
+void ParallelForRange(int64_t begin, int64_t end, int64_t grain, int threads,
+                      const std::function<void(int64_t, int64_t)>& fn);
+
 // Off: ParallelFor runs every index inline, so each product takes all the
 // threads instead (the behaviour before ParallelFor; for comparisons). On by
 // default; ConfigureCompute sets it from ComputeOptions::split_products.

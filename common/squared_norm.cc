@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "common/parallel_for.h"
+
 namespace himoe {
 
 double SquaredNorm(const at::Tensor& t) {
@@ -18,7 +20,7 @@ double SquaredNorm(const at::Tensor& t) {
   const int64_t n = c.numel();
   const int64_t blocks = (n + kSquaredNormBlock - 1) / kSquaredNormBlock;
   std::vector<double> sums(blocks, 0.0);
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  ParallelForRange(0, blocks, 1, at::get_num_threads(), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t first = b * kSquaredNormBlock;
       const int64_t last = std::min(n, first + kSquaredNormBlock);

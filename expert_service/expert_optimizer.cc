@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/optimizer_state_key.h"
+#include "common/parallel_for.h"
 #include "common/squared_norm.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
@@ -110,7 +111,7 @@ void FusedAdamW(at::Tensor& p, const at::Tensor& grad, at::Tensor& exp_avg,
   float* gw = grad.data_ptr<float>();
   float* mw = exp_avg.data_ptr<float>();
   float* vw = exp_avg_sq.data_ptr<float>();
-  at::parallel_for(0, p.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+  ParallelForRange(0, p.numel(), 1 << 14, at::get_num_threads(), [&](int64_t begin, int64_t end) {
     int64_t i = begin;
 #if defined(__SSE2__)
     // Four lanes, the same operations in the same order as the tail below

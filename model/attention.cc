@@ -198,7 +198,7 @@ class PackedCausalAttention : public torch::autograd::Function<PackedCausalAtten
     const float* in = qkv.data_ptr<float>();
     float* pd = p.data_ptr<float>();
     float* yd = y.data_ptr<float>();
-    at::parallel_for(0, B * n_head, 1, [&](int64_t begin, int64_t end) {
+    ParallelForRange(0, B * n_head, 1, at::get_num_threads(), [&](int64_t begin, int64_t end) {
       std::vector<float> kt(h.d_h * h.tp), s(h.tp);
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / n_head, head = bh % n_head;
@@ -225,7 +225,7 @@ class PackedCausalAttention : public torch::autograd::Function<PackedCausalAtten
     const float* pd = p.data_ptr<float>();
     const float* gyd = gy.data_ptr<float>();
     float* gd = g.data_ptr<float>();
-    at::parallel_for(0, B * n_head, 1, [&](int64_t begin, int64_t end) {
+    ParallelForRange(0, B * n_head, 1, at::get_num_threads(), [&](int64_t begin, int64_t end) {
       std::vector<float> vt(h.d_h * h.tp), dp(h.tp), row(h.tp), ds(T * h.tp);
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / n_head, head = bh % n_head;

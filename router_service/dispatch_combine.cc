@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "common/parallel_for.h"
 #include "common/vector_lanes.h"
 
 namespace himoe::router {
@@ -118,7 +119,7 @@ std::vector<const float*> RowPointers(at::TensorList parts, int64_t d) {
 void SumRowsPerToken(const TokenRowIndex& index, const std::vector<const float*>& rows,
                      const std::vector<float>* scale, int64_t d, float* out) {
   const int64_t tokens = static_cast<int64_t>(index.begin.size()) - 1;
-  at::parallel_for(0, tokens, kGrainRows, [&](int64_t begin, int64_t end) {
+  ParallelForRange(0, tokens, kGrainRows, at::get_num_threads(), [&](int64_t begin, int64_t end) {
     std::vector<const float*> mine;
     std::vector<float> weights;
     for (int64_t t = begin; t < end; ++t) {
@@ -152,7 +153,8 @@ class DispatchRows : public torch::autograd::Function<DispatchRows> {
       at::Tensor out = at::empty({r.numel(), d}, src.options());
       const int64_t* t = r.data_ptr<int64_t>();
       float* dst = out.data_ptr<float>();
-      at::parallel_for(0, r.numel(), kGrainRows, [&](int64_t begin, int64_t end) {
+      const int threads = at::get_num_threads();
+      ParallelForRange(0, r.numel(), kGrainRows, threads, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           TORCH_CHECK(t[i] >= 0 && t[i] < src.size(0), "dispatch: token row ", t[i],
                       " is outside [0, ", src.size(0), ")");
@@ -232,7 +234,7 @@ class CombineRows : public torch::autograd::Function<CombineRows> {
       const float* wd = w.data_ptr<float>();
       float* gyd = need_y ? gy.data_ptr<float>() : nullptr;
       float* gwd = need_w ? gw.data_ptr<float>() : nullptr;
-      at::parallel_for(0, n, kGrainRows, [&](int64_t begin, int64_t end) {
+      ParallelForRange(0, n, kGrainRows, at::get_num_threads(), [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const float* g_t = go + t[i] * d;
           if (gyd != nullptr) ScaleRow(gyd + i * d, g_t, wd[i], d);

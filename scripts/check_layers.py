@@ -8,7 +8,12 @@ script checks what the linker cannot see, over the #include graph:
     Prometheus, directly or through any project header they include;
   * himoe_local (and so himoe-cluster) never includes LibTorch or glog;
   * folders only include the folders below them (router_service/ never
-    includes trainer/, expert_service/ never includes router_service/, ...).
+    includes trainer/, expert_service/ never includes router_service/, ...);
+  * no project file calls at::parallel_for or at::parallel_reduce: their
+    OpenMP region is a header template that compiles only in a translation
+    unit built with -fopenmp, which the project's are not (the torch
+    precompiled header), so they ran on one thread; common/parallel_for.h's
+    ParallelForRange is the one to call.
 
   scripts/check_layers.py [--root DIR]   exit 0 when clean, 1 with every violation
   scripts/check_layers.py --self-test    plants violations in a copy; each must fail
@@ -43,6 +48,9 @@ FOLDER_RULES = {
 MODEL_ROUTING_CORE = {"router_service/routing_config.h", "router_service/routing_math.h",
                       "router_service/router_layer.h", "router_service/local_moe.h"}
 
+SERIAL_ATEN_LOOP = re.compile(r'\bat::parallel_(for|reduce)\s*\(')
+SOURCE_FOLDERS = ["common", "expert_service", "router_service", "model", "trainer", "deploy",
+                  "tests"]
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
 ADD_LIBRARY = re.compile(r'add_library\(\s*(\w+)\s+STATIC\s+([^)]*)\)', re.S)
 
@@ -135,6 +143,17 @@ def check(root):
                 if bad:
                     errors.append(f"{rel} includes {inc}: {folder}/ must not depend on "
                                   f"{bad[0]}")
+    for folder in SOURCE_FOLDERS:
+        for dirpath, _, names in os.walk(os.path.join(root, folder)):
+            for name in sorted(names):
+                if not name.endswith((".cc", ".h")):
+                    continue
+                path = os.path.join(dirpath, name)
+                text = open(path).read()
+                for m in SERIAL_ATEN_LOOP.finditer(text):
+                    line = text.count("\n", 0, m.start()) + 1
+                    errors.append(f"{os.path.relpath(path, root)}:{line} calls {m.group(0)[:-1]}"
+                                  " (one thread here: use ParallelForRange, common/parallel_for.h)")
     return sorted(set(errors))
 
 
@@ -145,11 +164,13 @@ def self_test(root):
         ("common/named_tensor.h", "#include <prometheus/counter.h>", "himoe_"),
         ("deploy/local/local_cluster.h", "#include <torch/torch.h>", "himoe_local"),
         ("model/transformer_lm.h", '#include "router_service/remote_moe.h"', "model/"),
+        ("model/attention.cc", "void F() { at::parallel_for(0, 1, 1, [](int64_t, int64_t) {}); }",
+         "calls at::parallel_for"),
     ]
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for folder in ["common", "expert_service", "router_service", "model", "trainer",
-                       "deploy", "proto"]:
+                       "deploy", "proto", "tests"]:
             shutil.copytree(os.path.join(root, folder), os.path.join(tmp, folder))
         clean = check(tmp)
         if clean:
