@@ -7,6 +7,7 @@
 #   scripts/bench.sh generate [himoe-generate-bench flags]
 #   scripts/bench.sh generate_remote [scripts/generate_remote_bench.py flags]
 #   scripts/bench.sh serve [himoe-serve-bench flags]
+#   scripts/bench.sh kernels [himoe-kernels-bench flags]
 #
 # train: back to back, on the released code's config (4 layers, d 128, block
 # 128, batch 16, 8 experts in 4 groups, K 4, width 512) and on the main job's
@@ -85,6 +86,34 @@ if [[ "${mode}" == generate_remote ]]; then
   # (scripts/generate_remote_bench.py); writes runs/bench/generate_remote.md.
   exec /usr/bin/python3 "${ROOT}/scripts/generate_remote_bench.py" --build "${BUILD}" \
     --out "${ROOT}/runs/bench/generate_remote.md" "$@"
+fi
+if [[ "${mode}" == kernels ]]; then
+  # kernels: the project's own CPU loops at 1 and 2 threads
+  # (tests/bench/kernels_bench.cc), 5 repetitions each, medians; writes
+  # runs/bench/kernels.md with each loop's 2 / 1 thread speed-up.
+  mkdir -p "${ROOT}/runs/bench"
+  json="${ROOT}/runs/bench/kernels.json"
+  "${BUILD}/tests/bench/himoe-kernels-bench" --benchmark_repetitions=5 \
+    --benchmark_report_aggregates_only=true --benchmark_out="${json}" \
+    --benchmark_out_format=json "$@" 2> >(grep '^compute:' >&2) >/dev/null
+  exec /usr/bin/python3 - "${json}" "${ROOT}/runs/bench/kernels.md" <<'PY'
+import json, sys
+runs = json.load(open(sys.argv[1]))
+ms = {}
+for b in runs["benchmarks"]:
+    if b.get("aggregate_name") == "median":
+        name, threads = b["run_name"].split("/")[:2]
+        ms[(name[3:], int(threads))] = b["real_time"] * {"ms": 1, "us": 1e-3, "ns": 1e-6}[b["time_unit"]]
+ctx = runs["context"]
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+lines = [f"Measured {ctx['date'][:10]} on {cpu}, {ctx['num_cpus']} CPUs; medians of 5 repetitions.", "",
+         "| loop | 1 thread, ms | 2 threads, ms | 2 / 1 thread speed-up |", "|---|---:|---:|---:|"]
+for name in sorted({n for n, _ in ms}, key=[n for n, _ in ms].index):
+    one, two = ms[(name, 1)], ms[(name, 2)]
+    lines.append(f"| {name} | {one:.3f} | {two:.3f} | {one / two:.2f} |")
+open(sys.argv[2], "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
 fi
 if [[ "${mode}" == generate ]]; then
   # generate: Generate's decoding, KV cache vs full recompute and 8 concurrent

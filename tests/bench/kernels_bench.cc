@@ -1,0 +1,109 @@
+// himoe-kernels-bench: the project's own CPU loops at 1 and 2 threads, on the
+// released code's shapes (block 128, batch 16, d 128, 4 heads, 4 groups of
+// k 1, expert width 512). It starts with the trainer's compute set-up (BLAS
+// kernels, 2 threads), whose summary line gives the machine's GEMM rate.
+// `scripts/bench.sh kernels` runs it and tabulates each loop's 2 / 1 thread
+// speed-up; a loop that does not use the second thread shows about 1.
+#include <cstdint>
+#include <iostream>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+
+#include "common/compute_setup.h"
+#include "common/gelu.h"
+#include "common/squared_norm.h"
+#include "model/attention.h"
+#include "router_service/dispatch_combine.h"
+#include "router_service/router_layer.h"
+
+namespace himoe {
+namespace {
+
+constexpr int64_t kBatch = 16, kBlock = 128, kDModel = 128, kHeads = 4, kGroups = 4;
+constexpr int64_t kTokens = kBatch * kBlock, kWidth = 512;
+
+void Threads(benchmark::State& state) { at::set_num_threads(static_cast<int>(state.range(0))); }
+
+// Forward and backward of one block's causal attention; FLOPs counted as the
+// trainer's MFU counts them (the full T x T products, 3 x forward).
+void BM_Attention(benchmark::State& state) {
+  Threads(state);
+  const at::Tensor qkv = at::randn({kBatch, kBlock, 3 * kDModel}).requires_grad_(true);
+  const at::Tensor gy = at::randn({kBatch, kBlock, kDModel});
+  for (auto _ : state) {
+    model::CausalSelfAttention(qkv, kHeads).backward(gy);
+    qkv.mutable_grad().reset();
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      3.0 * 2 * 2 * kBatch * kBlock * kBlock * kDModel * 1e-9,
+      benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// Dispatch to 4 groups and combine their outputs, forward and backward, on
+// the router's plan (BuildDispatchPlan: a group's rows sorted by expert) for
+// a random choice of one of the 2 experts in every group.
+void BM_DispatchCombine(benchmark::State& state) {
+  Threads(state);
+  const at::Tensor group_base = at::arange(kGroups, at::kLong) * 2;
+  const at::Tensor ids = at::randint(2, {kTokens, kGroups}, at::kLong) + group_base;
+  std::vector<router::GroupDispatch> groups = router::BuildDispatchPlan(
+      ids, at::rand({kTokens, kGroups}), at::ones({kTokens, kGroups}, at::kBool), kGroups, 2);
+  for (router::GroupDispatch& g : groups) g.weights.requires_grad_(true);
+  const at::Tensor x = at::randn({kTokens, kDModel}).requires_grad_(true);
+  const at::Tensor gy = at::randn({kTokens, kDModel});
+  for (auto _ : state) {
+    const std::vector<at::Tensor> rows = router::DispatchGroupRows(x, groups);
+    router::CombineGroupOutputs(kTokens, kDModel, groups, rows).backward(gy);
+    x.mutable_grad().reset();
+  }
+  state.SetItemsProcessed(state.iterations() * kTokens);
+}
+
+// The experts' exact GELU and its backward on one group's hidden rows.
+void BM_Gelu(benchmark::State& state) {
+  Threads(state);
+  const at::Tensor h = at::randn({kTokens, kWidth}), g = at::randn({kTokens, kWidth});
+  at::Tensor y = at::empty_like(h), gh = at::empty_like(h);
+  for (auto _ : state) {
+    GeluOut(y, h);
+    GeluBackwardOut(gh, g, h);
+  }
+  state.SetItemsProcessed(state.iterations() * h.numel());
+}
+
+// The gradient-clipping norm over one layer's experts' weights.
+void BM_SquaredNorm(benchmark::State& state) {
+  Threads(state);
+  const at::Tensor w = at::randn({8 * 2 * kDModel * kWidth});
+  for (auto _ : state) benchmark::DoNotOptimize(SquaredNorm(w));
+  state.SetItemsProcessed(state.iterations() * w.numel());
+}
+
+BENCHMARK(BM_Attention)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_DispatchCombine)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Gelu)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SquaredNorm)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace himoe
+
+// The BLAS kernels the trainer would pick (BLIS falls back to its generic
+// ones on CPUs it does not know), then the benchmarks.
+int main(int argc, char** argv) {
+  himoe::ComputeOptions options;
+  options.threads = 2;
+  const absl::StatusOr<himoe::ComputeSetup> setup = himoe::ConfigureCompute(options);
+  if (!setup.ok()) {
+    std::cerr << "himoe-kernels-bench: " << setup.status() << "\n";
+    return 1;
+  }
+  std::cerr << setup->Summary() << "\n";
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
