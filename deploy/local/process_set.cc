@@ -480,8 +480,9 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> ProbeChannel(const std::string& t
   HIMOE_ASSIGN_OR_RETURN(const std::shared_ptr<grpc::ChannelCredentials> credentials,
                          MakeChannelCredentials(tls));
   grpc::ChannelArguments args;
+  // Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: that is the minimum connect
+  // timeout (expert_service/expert_client.cc).
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return grpc::CreateCustomChannel(target, credentials, args);

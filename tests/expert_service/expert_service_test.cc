@@ -1,6 +1,10 @@
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -11,7 +15,9 @@
 #include <functional>
 #include <future>
 #include <iterator>
+#include <list>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <string>
@@ -207,6 +213,92 @@ class ExpertServiceTest : public ::testing::Test {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ExpertService::Stub> stub_;
 };
+
+// A TCP relay on 127.0.0.1 that holds every connection `delay` before it
+// connects on to `target_port`: a server slow to answer the handshake, as a
+// service on a loaded machine is.
+class SlowRelay {
+ public:
+  SlowRelay(int target_port, std::chrono::milliseconds delay) {
+    listen_fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    EXPECT_EQ(bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), len), 0);
+    EXPECT_EQ(listen(listen_fd_, 16), 0);
+    EXPECT_EQ(getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    port_ = ntohs(a.sin_port);
+    acceptor_ = std::thread([this, target_port, delay] {
+      while (true) {
+        const int client = accept(listen_fd_, nullptr, nullptr);
+        if (client < 0) return;  // shut down
+        std::lock_guard<std::mutex> lock(mu_);
+        fds_.push_back(client);
+        relays_.emplace_back([this, client, target_port, delay] {
+          std::this_thread::sleep_for(delay);
+          const int server = socket(AF_INET, SOCK_STREAM, 0);
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            fds_.push_back(server);
+          }
+          sockaddr_in to{};
+          to.sin_family = AF_INET;
+          to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+          to.sin_port = htons(static_cast<uint16_t>(target_port));
+          if (connect(server, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) return;
+          pollfd both[2] = {{client, POLLIN, 0}, {server, POLLIN, 0}};
+          char buffer[1 << 16];
+          while (poll(both, 2, -1) > 0) {
+            for (int i = 0; i < 2; ++i) {
+              if (both[i].revents == 0) continue;
+              const ssize_t n = read(both[i].fd, buffer, sizeof(buffer));
+              if (n <= 0 || write(both[1 - i].fd, buffer, n) != n) return;
+            }
+          }
+        });
+      }
+    });
+  }
+
+  ~SlowRelay() {
+    shutdown(listen_fd_, SHUT_RDWR);
+    acceptor_.join();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const int fd : fds_) shutdown(fd, SHUT_RDWR);
+    }
+    for (std::thread& t : relays_) t.join();
+    for (const int fd : fds_) close(fd);
+    close(listen_fd_);
+  }
+
+  int port() const { return port_; }
+
+ private:
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::mutex mu_;
+  std::vector<int> fds_;
+  std::list<std::thread> relays_;
+  std::thread acceptor_;
+};
+
+// GRPC_ARG_MIN_RECONNECT_BACKOFF_MS is gRPC's minimum connect timeout; the
+// client once set it to 100 ms, and a handshake slower than that (8 expert
+// processes starting on 2 cores, TLS under load) read as "unreachable".
+TEST_F(ExpertServiceTest, TheClientWaitsOutASlowHandshake) {
+  SlowRelay relay(server_->port(), std::chrono::milliseconds(600));
+  ExpertGroupClientOptions options;
+  options.group_id = kGroup;
+  options.addresses = {absl::StrCat("127.0.0.1:", relay.port())};
+  options.deadline = std::chrono::seconds(20);
+  auto client = ExpertGroupClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const absl::StatusOr<v1::ExpertInfoResponse> info = (*client)->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->group_id(), kGroup);
+}
 
 TEST_F(ExpertServiceTest, InfoDescribesTheGroup) {
   grpc::ClientContext context;
