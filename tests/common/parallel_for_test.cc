@@ -14,6 +14,18 @@
 namespace himoe {
 namespace {
 
+// Counts the calling thread in and waits until `n` threads have: false if
+// they have not within 60 s (a liveness bound, not a timing).
+bool MeetOthers(std::atomic<int>& started, int n) {
+  started.fetch_add(1);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (started.load() < n) {
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
 // Each index runs exactly once, and with 2 threads on 2 indices the two calls
 // overlap: each waits until the other has started (a liveness bound of 60 s,
 // not a timing).
@@ -28,15 +40,7 @@ TEST(ParallelForTest, EachIndexOnceOnItsOwnThread) {
   ParallelFor(2, 2, [&](int64_t i) {
     ids[i] = std::this_thread::get_id();
     EXPECT_TRUE(InParallelRegion());
-    started.fetch_add(1);
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (started.load() < 2) {
-      if (std::chrono::steady_clock::now() > give_up) {
-        both_seen = false;
-        return;
-      }
-      std::this_thread::yield();
-    }
+    if (!MeetOthers(started, 2)) both_seen = false;
   });
   EXPECT_TRUE(both_seen.load());
   EXPECT_NE(ids[0], ids[1]);
@@ -84,15 +88,7 @@ TEST(ParallelForRangeTest, ChunksCoverTheRangeOnTheirOwnThreads) {
       chunks.emplace_back(b, e);
       ids.push_back(std::this_thread::get_id());
     }
-    started.fetch_add(1);
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (started.load() < 2) {
-      if (std::chrono::steady_clock::now() > give_up) {
-        both_seen = false;
-        return;
-      }
-      std::this_thread::yield();
-    }
+    if (!MeetOthers(started, 2)) both_seen = false;
   });
   std::sort(chunks.begin(), chunks.end());
   EXPECT_EQ(chunks, (std::vector<std::pair<int64_t, int64_t>>{{3, 9}, {9, 14}}));
