@@ -108,7 +108,7 @@ ctx = runs["context"]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 lines = [f"Measured {ctx['date'][:10]} on {cpu}, {ctx['num_cpus']} CPUs; medians of 5 repetitions.", "",
          "| loop | 1 thread, ms | 2 threads, ms | 2 / 1 thread speed-up |", "|---|---:|---:|---:|"]
-for name in sorted({n for n, _ in ms}, key=[n for n, _ in ms].index):
+for name in dict.fromkeys(n for n, _ in ms):
     one, two = ms[(name, 1)], ms[(name, 2)]
     lines.append(f"| {name} | {one:.3f} | {two:.3f} | {one / two:.2f} |")
 open(sys.argv[2], "w").write("\n".join(lines) + "\n")
