@@ -21,6 +21,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/compute_setup.h"
+#include "common/metrics_endpoint.h"
+#include "common/thread_stack.h"
 #include "common/torch_runtime.h"
 #include "tests/http_get.h"
 #include "gmock/gmock.h"
@@ -74,11 +76,14 @@ class MetricsInTorchProcessTest : public ::testing::Test {
     // BLAS threads, GEMM rate.
     absl::StatusOr<ComputeSetup> setup = ConfigureCompute(ComputeOptions());
     ASSERT_TRUE(setup.ok()) << setup.status();
-    std::cout << setup->Summary() << std::endl;
+    std::cout << setup->Summary() << "; loaded TLS " << LoadedTlsBytes() << " bytes" << std::endl;
     torch::manual_seed(7);
     MatmulMatchesManualDotProduct();
 
-    exposer_ = std::make_unique<prometheus::Exposer>("127.0.0.1:0");
+    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> exposer =
+        StartMetricsEndpoint("--metrics_port", "127.0.0.1", 0);
+    ASSERT_TRUE(exposer.ok()) << exposer.status();
+    exposer_ = *std::move(exposer);
     const std::vector<int> ports = exposer_->GetListeningPorts();
     ASSERT_EQ(ports.size(), 1u);
     ASSERT_GT(ports[0], 0);
