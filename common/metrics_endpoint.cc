@@ -1,6 +1,7 @@
 #include "common/metrics_endpoint.h"
 
 #include <dlfcn.h>
+#include <errno.h>
 #include <pthread.h>
 
 #include <exception>
@@ -21,6 +22,7 @@
 extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
   using Fn = int (*)(pthread_attr_t*, size_t);
   static const Fn libc = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
+  if (libc == nullptr) return ENOSYS;
   return libc(attr, himoe::StackSizeKeeping(size));
 }
 

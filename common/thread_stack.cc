@@ -3,6 +3,8 @@
 #include <link.h>
 #include <unistd.h>
 
+#include <cstdint>
+
 namespace himoe {
 
 size_t LoadedTlsBytes() {
@@ -23,6 +25,7 @@ size_t LoadedTlsBytes() {
 
 size_t StackSizeKeeping(size_t usable) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  if (usable > SIZE_MAX / 2) return usable;  // glibc refuses it anyway
   const size_t size = usable + LoadedTlsBytes() + page;
   return (size + page - 1) / page * page;
 }
