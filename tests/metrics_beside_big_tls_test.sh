@@ -14,47 +14,38 @@ trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait; rm -rf "${tmp}"' EXIT
 failures=0
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 
-# wait_ports FILE: waits for a "<grpc port> <metrics port>" port file.
-wait_ports() {
-  for _ in $(seq 300); do [[ -s "$1" ]] && return 0; sleep 0.1; done
-  return 1
-}
-# scrape PORT NAME: /metrics on PORT lists a metric starting with NAME (the
-# body is read whole first: grep -q would close a pipe on curl, which
-# pipefail then reports).
-scrape() {
-  local body
-  body="$(curl -sS "http://127.0.0.1:$1/metrics" 2>&1)"
-  grep -q "^$2" <<<"${body}" || fail "no $2 metric on port $1: $(head -c 300 <<<"${body}")"
+# served NAME: the binary logging to ${tmp}/NAME.log wrote its "<grpc port>
+# <metrics port>" to ${tmp}/NAME.port, and its /metrics lists a himoe_NAME_
+# metric (the body is read whole first: grep -q would close a pipe on curl,
+# which pipefail then reports). Sets grpc_port.
+served() {
+  local file="${tmp}/$1.port" metrics body
+  for _ in $(seq 300); do [[ -s "${file}" ]] && break; sleep 0.1; done
+  if [[ ! -s "${file}" ]]; then
+    fail "himoe-$1 did not start: $(tail -1 "${tmp}/$1.log")"
+    return 1
+  fi
+  read -r grpc_port metrics <"${file}"
+  body="$(curl -sS "http://127.0.0.1:${metrics}/metrics" 2>&1)"
+  grep -q "^himoe_$1_" <<<"${body}" ||
+    fail "no himoe_$1_ metric on port ${metrics}: $(head -c 300 <<<"${body}")"
 }
 
 LD_PRELOAD="${big}" "${expert}" --address=127.0.0.1:0 --group_id=0 --num_groups=1 \
   --num_experts=2 --num_layers=1 --d_model=16 --d_ff=16 --seed=1 --threads=1 --metrics_port=0 \
   --metrics_address=127.0.0.1 --port_file="${tmp}/expert.port" >"${tmp}/expert.log" 2>&1 &
 pids+=($!)
-if wait_ports "${tmp}/expert.port"; then
-  read -r expert_port expert_metrics <"${tmp}/expert.port"
-  scrape "${expert_metrics}" himoe_expert_
-else
-  fail "himoe-expert did not start: $(tail -1 "${tmp}/expert.log")"
-fi
-
-if [[ -n "${expert_port:-}" ]]; then
+if served expert; then
   cat >"${tmp}/cluster.textproto" <<CLUSTER
 model { num_layers: 1 d_model: 16 d_ff: 16 num_experts: 2 num_groups: 1 top_k: 1 seed: 1 }
-groups { address: "127.0.0.1:${expert_port}" }
+groups { address: "127.0.0.1:${grpc_port}" }
 router { address: "127.0.0.1:0" metrics_port: 0 }
 CLUSTER
   LD_PRELOAD="${big}" "${router}" --cluster="${tmp}/cluster.textproto" --address=127.0.0.1:0 \
     --threads=1 --metrics_address=127.0.0.1 --port_file="${tmp}/router.port" \
     >"${tmp}/router.log" 2>&1 &
   pids+=($!)
-  if wait_ports "${tmp}/router.port"; then
-    read -r _ router_metrics <"${tmp}/router.port"
-    scrape "${router_metrics}" himoe_router_
-  else
-    fail "himoe-router did not start: $(tail -1 "${tmp}/router.log")"
-  fi
+  served router
 fi
 
 # The trainer exits non-zero when its endpoint cannot start.
