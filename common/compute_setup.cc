@@ -27,6 +27,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 
 #include <glog/logging.h>
 
@@ -93,9 +94,8 @@ struct BlasLibrary {
   bool blis() const { return !blis_threading.empty(); }
   std::string Name() const {
     if (blis()) return absl::StrCat("BLIS (", blis_threading, ")");
-    if (path.find("openblas") != std::string::npos) return "OpenBLAS";
-    if (path.find("/blas/") != std::string::npos) return "reference BLAS";
-    return path.empty() ? "no BLAS" : path;
+    if (!path.empty()) return BlasDisplayName(path, false, "");
+    return BlasDisplayName(path, at::hasMKL(), at::show_config());
   }
 };
 
@@ -516,6 +516,24 @@ double VectorPeakGflops(int threads) {
   if (mhz <= 0) return 0;
   const int lanes = CpuHas("avx512") ? 16 : CpuHas("avx") ? 8 : 4;
   return threads * mhz / 1000.0 * lanes * 2 * 2;
+}
+
+std::string BlasDisplayName(const std::string& loaded_path, bool has_mkl,
+                            const std::string& torch_config) {
+  if (absl::StrContains(loaded_path, "/blis-")) return "BLIS";
+  if (absl::StrContains(loaded_path, "openblas")) return "OpenBLAS";
+  if (absl::StrContains(loaded_path, "/blas/")) return "reference BLAS";
+  if (!loaded_path.empty()) return loaded_path;
+  if (has_mkl) return "MKL (inside LibTorch)";
+  constexpr char kKey[] = "BLAS_INFO=";
+  const size_t at = torch_config.find(kKey);
+  if (at != std::string::npos) {
+    const size_t begin = at + sizeof(kKey) - 1;
+    const size_t end = torch_config.find_first_of(", \n", begin);
+    const std::string info = torch_config.substr(begin, end - begin);
+    if (!info.empty() && info != "generic") return absl::StrCat(info, " (inside LibTorch)");
+  }
+  return "no BLAS library (LibTorch's own GEMM)";
 }
 
 absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options) {

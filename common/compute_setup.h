@@ -89,6 +89,14 @@ std::string DefaultKernelCacheFile();
 // cache and without the GEMM-rate probe, logged.
 absl::Status ConfigureServingCompute(int threads, bool probe_kernels);
 
+// The BLAS that runs LibTorch's CPU GEMMs, for the log. `loaded_path`: the
+// libblas.so / libopenblas loaded in the process (resolved), empty if none;
+// then the BLAS is inside LibTorch (pip's wheels link MKL statically), named
+// from `has_mkl` (at::hasMKL()) or else `torch_config`'s BLAS_INFO
+// (at::show_config()).
+std::string BlasDisplayName(const std::string& loaded_path, bool has_mkl,
+                            const std::string& torch_config);
+
 // Kernel sets this CPU can run, fastest family first (BLIS names).
 std::vector<std::string> CandidateBlisKernels();
 

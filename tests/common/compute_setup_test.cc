@@ -62,6 +62,27 @@ TEST(ComputeSetupTest, CandidatesFollowTheCpuFlags) {
   EXPECT_EQ(avx2, std::find(names.begin(), names.end(), "haswell") != names.end());
 }
 
+// The names a user reads in the log, for the libraries LibTorch may run its
+// GEMMs on: Debian's (loaded), pip's (linked into LibTorch, as on the H100
+// of 2026-11-27, which logged "no BLAS").
+TEST(ComputeSetupTest, TheBlasIsNamedLoadedOrInsideLibTorch) {
+  EXPECT_EQ(BlasDisplayName("/usr/lib/x86_64-linux-gnu/blis-openmp/libblas.so.3", false, ""),
+            "BLIS");
+  EXPECT_EQ(BlasDisplayName("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3", false, ""),
+            "OpenBLAS");
+  EXPECT_EQ(BlasDisplayName("/usr/lib/x86_64-linux-gnu/blas/libblas.so.3", false, ""),
+            "reference BLAS");
+  EXPECT_EQ(BlasDisplayName("/opt/lib/libblas.so.3", false, ""), "/opt/lib/libblas.so.3");
+  EXPECT_EQ(BlasDisplayName("", true, "  - Build settings: BLAS_INFO=mkl, BUILD_TYPE=Release"),
+            "MKL (inside LibTorch)");
+  EXPECT_EQ(BlasDisplayName("", false, "  - Build settings: BLAS_INFO=open, BUILD_TYPE=Release"),
+            "open (inside LibTorch)");
+  // Debian's LibTorch: BLAS_INFO=generic is the libblas.so.3 interface.
+  EXPECT_EQ(BlasDisplayName("", false, "  - Build settings: BLAS_INFO=generic, LAPACK_INFO=generic"),
+            "no BLAS library (LibTorch's own GEMM)");
+  EXPECT_EQ(BlasDisplayName("", false, ""), "no BLAS library (LibTorch's own GEMM)");
+}
+
 TEST(ComputeSetupTest, VectorPeakScalesWithThreads) {
   const double one = VectorPeakGflops(1);
   ASSERT_GT(one, 0) << "no 'cpu MHz' in /proc/cpuinfo";
