@@ -52,6 +52,10 @@ if [[ "${mode}" == serve ]]; then
   ratios=()
   for m in 1 2 4 8; do
     log="$(mktemp)"
+    # Local and remote repetitions in random order, medians of 5: the VM's
+    # speed drifts over minutes (LocalMoE at M 8 took 139-178 ms a forward
+    # within 10 minutes on 2026-11-27), which one block after the other put
+    # into the ratio.
     # OMP_WAIT_POLICY=PASSIVE: this process's idle OpenMP threads spin on
     # both cores otherwise, and at M 8 the experts' first connections timed
     # out behind them (2 runs in 3 on 2026-11-25).
@@ -59,7 +63,8 @@ if [[ "${mode}" == serve ]]; then
       if OMP_WAIT_POLICY=PASSIVE "${BUILD}/tests/bench/himoe-bench" --num_groups="${m}" --num_experts=$((2 * m)) \
         --top_k=1 --tokens=4096 --d_model=256 --d_ff=1024 \
         --benchmark_filter='^(local|remote_fp32)/' --benchmark_min_time=1 \
-        --benchmark_repetitions=3 >"${log}" 2>&1; then
+        --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true \
+        >"${log}" 2>&1; then
         break
       fi
       echo "bench: himoe-bench M ${m}, try ${try} failed:" >&2
