@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cpu_cores.h"
+#include "common/host_port.h"
 #include "common/status_macros.h"
 
 namespace himoe {
@@ -149,6 +150,29 @@ absl::StatusOr<v1::ClusterConfig> LoadClusterConfig(const std::string& path) {
 
 int ServiceThreads(const v1::ClusterConfig& cluster, int configured) {
   return configured > 0 ? configured : ShareOfCores(cluster.groups_size() + 1);
+}
+
+int LocalServiceThreads(const v1::ClusterConfig& cluster) {
+  int threads = 0;
+  for (const v1::GroupSpec& g : cluster.groups()) {
+    auto hp = ParseHostPort("cluster groups address", g.address());
+    if (hp.ok() && IsLocalHost(hp->host)) threads += ServiceThreads(cluster, g.threads());
+  }
+  return threads > 0 ? threads + ServiceThreads(cluster, cluster.router().threads()) : 0;
+}
+
+std::string ExpertsOffThisHostCpu(const v1::ClusterConfig& cluster) {
+  for (int i = 0; i < cluster.groups_size(); ++i) {
+    const v1::GroupSpec& g = cluster.groups(i);
+    auto hp = ParseHostPort("cluster groups address", g.address());
+    if (!hp.ok() || !IsLocalHost(hp->host)) {
+      return absl::StrCat("group ", i, " is on another host (", g.address(), ")");
+    }
+    if (!g.device().empty() && g.device() != "cpu") {
+      return absl::StrCat("group ", i, " is on ", g.device());
+    }
+  }
+  return "";
 }
 
 TlsFiles ClusterTls(const v1::ClusterConfig& cluster, const TlsFiles& flags) {

@@ -22,6 +22,14 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
 // host's cores among the groups and the router, at least 1.
 int ServiceThreads(const v1::ClusterConfig& cluster, int configured);
 
+// The threads of the services himoe-cluster starts on this host from
+// `cluster`: its groups here and, with any, the router; 0 when none is here.
+int LocalServiceThreads(const v1::ClusterConfig& cluster);
+
+// Why some of `cluster`'s expert compute is not on this host's CPU (a group on
+// another host or a GPU), or "" when all of it is.
+std::string ExpertsOffThisHostCpu(const v1::ClusterConfig& cluster);
+
 // The TLS files of a service of `cluster`: `flags` when any is set (the
 // command line overrides the file), else the cluster file's `tls`.
 TlsFiles ClusterTls(const v1::ClusterConfig& cluster, const TlsFiles& flags = TlsFiles());

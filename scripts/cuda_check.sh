@@ -16,6 +16,11 @@
 #                       only libraries the system lacks are kept
 #   HIMOE_CUDA_BUILD    build folder (build-cuda)
 #   OUT                 where logs and metrics go (/tmp/himoe-cuda-check)
+#   HIMOE_CHECK_D_MODEL, HIMOE_CHECK_D_FF  the train stage's model width and
+#                       expert width (the cluster file's 256 and 1024)
+#   HIMOE_CHECK_TRAIN_ARGS  more trainer flags (e.g. a bigger --batch_size)
+#   HIMOE_CHECK_DEVICES the train stage's expert devices ("cuda:0 cpu"); the
+#                       first two are compared
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "${ROOT}"
@@ -134,11 +139,13 @@ train_on() {
   local dev="$1" d="${OUT}/train-${1/:/}" g pids=() ready
   say "training with the experts on ${dev}"
   rm -rf "${d}" && mkdir -p "${d}"
+  local dm="${HIMOE_CHECK_D_MODEL:-256}" dff="${HIMOE_CHECK_D_FF:-1024}"
   sed -e "s/device: \"cpu\"/device: \"${dev}\"/" -e 's/5006\([0-9]\)/5106\1/' \
+      -e "s/d_model: 256 /d_model: ${dm} /" -e "s/d_ff: 1024 /d_ff: ${dff} /" \
       deploy/local/cluster.textproto > "${d}/cluster.textproto"
   for g in 0 1 2 3; do
     "${B}/expert_service/himoe-expert" --address="127.0.0.1:5106$((g + 1))" --group_id="${g}" \
-      --num_groups=4 --num_experts=8 --num_layers=2 --d_model=256 --d_ff=1024 --seed=1 \
+      --num_groups=4 --num_experts=8 --num_layers=2 --d_model="${dm}" --d_ff="${dff}" --seed=1 \
       --dtype=float32 --device="${dev}" --threads=3 --port_file="${d}/expert-${g}.port" \
       --metrics_port=0 \
       > "${d}/expert-${g}.log" 2>&1 &
@@ -154,19 +161,23 @@ train_on() {
   fi
   "${B}/trainer/himoe-trainer" --experts=cluster --cluster "${d}/cluster.textproto" --n_layer 2 \
     --steps 20 --eval_every 20 --eval_windows 16 --log_every 10 --data README.md \
-    --threads "${HIMOE_TRAIN_THREADS:-4}" --out_dir "${d}/run" > "${d}/trainer.log" 2>&1
+    --threads "${HIMOE_TRAIN_THREADS:-4}" --out_dir "${d}/run" ${HIMOE_CHECK_TRAIN_ARGS:-} \
+    > "${d}/trainer.log" 2>&1
   local rc=$?
   kill -INT "${pids[@]}"; wait
   grep -h "serving on" "${d}/expert-0.log"
+  grep -h -m1 "BLAS" "${d}/trainer.log"
   tail -3 "${d}/trainer.log"
   [[ ${rc} -eq 0 ]] && cp "${d}/run/metrics.jsonl" "${OUT}/metrics-${dev/:/}.jsonl"
 }
 
 train() {
   deps_env
-  train_on cuda:0 && train_on cpu || return 1
-  say "cuda:0 against cpu experts"
-  python3 - "${OUT}" <<'EOF'
+  local devs=(${HIMOE_CHECK_DEVICES:-cuda:0 cpu}) dev
+  for dev in "${devs[@]}"; do train_on "${dev}" || return 1; done
+  [[ ${#devs[@]} -ge 2 ]] || return 0
+  say "${devs[0]} against ${devs[1]} experts"
+  python3 - "${OUT}" "${devs[0]/:/}" "${devs[1]/:/}" <<'EOF'
 import json, sys
 def losses(path):
     out = {}
@@ -176,12 +187,12 @@ def losses(path):
             if key in rec:
                 out[(key, rec['step'])] = rec[key]
     return out
-gpu, cpu = (losses(f'{sys.argv[1]}/metrics-{d}.jsonl') for d in ('cuda0', 'cpu'))
+gpu, cpu = (losses(f'{sys.argv[1]}/metrics-{d}.jsonl') for d in sys.argv[2:4])
 keys = sorted(k for k in gpu if k in cpu)
 worst = max(abs(gpu[k] - cpu[k]) for k in keys)
 for k in keys[:2] + keys[-2:]:
-    print(f'{k[0]} step {k[1]}: cuda {gpu[k]:.6f} cpu {cpu[k]:.6f}')
-print(f'{len(keys)} losses compared, max |cuda - cpu| = {worst:.2e}')
+    print(f'{k[0]} step {k[1]}: {sys.argv[2]} {gpu[k]:.6f} {sys.argv[3]} {cpu[k]:.6f}')
+print(f'{len(keys)} losses compared, max |{sys.argv[2]} - {sys.argv[3]}| = {worst:.2e}')
 sys.exit(0 if keys and worst <= 1e-2 else 1)
 EOF
 }

@@ -149,7 +149,7 @@ void RunLog::OnStep(const StepResult& s) {
   while (static_cast<int>(recent_.size()) > window_) recent_.pop_front();
   Json layers = Json::array();
   for (const auto& st : s.layers) layers.push_back(LayerJson(st));
-  const Json line = {{"kind", "train"},
+  Json line = {{"kind", "train"},
                      {"step", s.step},
                      {"lr", Sig6(s.lr)},
                      {"loss", Sig6(s.loss)},
@@ -165,8 +165,8 @@ void RunLog::OnStep(const StepResult& s) {
                      {"seconds", Sig6(s.seconds)},
                      {"tokens_per_s", Sig6(s.tokens / std::max(s.seconds, 1e-9))},
                      {"gflops", Sig6(s.gflops())},
-                     {"mfu", Sig6(s.mfu())},
                      {"layers", std::move(layers)}};
+  if (s.machine_gflops > 0) line["mfu"] = Sig6(s.mfu());
   WriteLine(line.dump());
 }
 

@@ -28,7 +28,6 @@
 #include "common/compute_setup.h"
 #include "common/expert_shape.h"
 #include "common/file_util.h"
-#include "common/host_port.h"
 #include "common/process_stats.h"
 #include "common/metrics_endpoint.h"
 #include "common/program.h"
@@ -443,26 +442,33 @@ absl::Status Run() {
         std::max(1, DefaultThreadCount() - absl::GetFlag(FLAGS_num_groups) *
                                                std::max(1, absl::GetFlag(FLAGS_expert_threads)));
   }
-  if (compute_options.threads == 0 && mode == "cluster") {
-    // Services of the cluster file on this host keep their threads (as
-    // himoe-cluster gives them); the coordinator takes what they leave.
-    HIMOE_ASSIGN_OR_RETURN(const v1::ClusterConfig cluster,
-                           LoadClusterConfig(absl::GetFlag(FLAGS_cluster)));
-    int local_threads = 0;
-    for (const v1::GroupSpec& g : cluster.groups()) {
-      auto hp = ParseHostPort("cluster groups address", g.address());
-      if (hp.ok() && IsLocalHost(hp->host)) local_threads += ServiceThreads(cluster, g.threads());
-    }
-    if (local_threads > 0) {
-      local_threads += ServiceThreads(cluster, cluster.router().threads());
-      compute_options.threads = std::max(1, DefaultThreadCount() - local_threads);
-    }
-  }
+  compute_options.gemm_gflops = absl::GetFlag(FLAGS_gemm_gflops);
   // MFU is against the cores the run uses: with local expert processes, all.
   if (mode == "local") compute_options.gemm_threads = DefaultThreadCount();
+  if (mode == "cluster") {
+    HIMOE_ASSIGN_OR_RETURN(const v1::ClusterConfig cluster,
+                           LoadClusterConfig(absl::GetFlag(FLAGS_cluster)));
+    // Services of the cluster file on this host keep their threads (as
+    // himoe-cluster gives them); the coordinator takes what they leave.
+    const int local_threads = LocalServiceThreads(cluster);
+    if (compute_options.threads == 0 && local_threads > 0) {
+      compute_options.threads = std::max(1, DefaultThreadCount() - local_threads);
+    }
+    const std::string off = ExpertsOffThisHostCpu(cluster);
+    if (off.empty()) {
+      const int coordinator =
+          compute_options.threads > 0 ? compute_options.threads : DefaultThreadCount();
+      compute_options.gemm_threads = std::min(DefaultThreadCount(), coordinator + local_threads);
+    } else if (compute_options.gemm_gflops == 0) {
+      // This host's CPU rate is not the cluster's limit (an H100's experts
+      // gave "MFU 360%").
+      compute_options.gemm_gflops = -1;
+      LOG(INFO) << "no MFU: " << off
+                << "; --gemm_gflops gives the rate of all the cluster's devices";
+    }
+  }
   compute_options.probe_kernels = absl::GetFlag(FLAGS_blas_probe);
   compute_options.kernel_cache_file = DefaultKernelCacheFile();
-  compute_options.gemm_gflops = absl::GetFlag(FLAGS_gemm_gflops);
   compute_options.split_products = absl::GetFlag(FLAGS_split_products);
   HIMOE_ASSIGN_OR_RETURN(const ComputeSetup compute, ConfigureCompute(compute_options));
   LogComputeSetup(compute);

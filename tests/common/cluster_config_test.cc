@@ -121,5 +121,30 @@ TEST(ClusterConfigTest, AnAcceptedConfigPrintsAndParsesBackToItself) {
   EXPECT_EQ(again->router().max_queue_delay_us(), 500);  // 0 means "the default"
 }
 
+TEST(ClusterConfigTest, LocalThreadsAndWhereTheExpertsComputeComeFromTheGroups) {
+  auto here = ParseClusterConfig(R"pb(
+    model { d_model: 8 d_ff: 16 num_experts: 4 }
+    groups { address: "127.0.0.1:1" threads: 3 }
+    groups { address: "localhost:2" threads: 5 device: "cpu" }
+    router { threads: 2 }
+  )pb", "test");
+  ASSERT_TRUE(here.ok()) << here.status();
+  EXPECT_EQ(LocalServiceThreads(*here), 3 + 5 + 2);
+  EXPECT_EQ(ExpertsOffThisHostCpu(*here), "");
+
+  auto gpu = *here;
+  gpu.mutable_groups(1)->set_device("cuda:1");
+  EXPECT_EQ(LocalServiceThreads(gpu), 10);  // its host threads still count
+  EXPECT_EQ(ExpertsOffThisHostCpu(gpu), "group 1 is on cuda:1");
+
+  auto remote = *here;
+  remote.mutable_groups(0)->set_address("10.0.0.7:1");
+  EXPECT_EQ(LocalServiceThreads(remote), 5 + 2);
+  EXPECT_EQ(ExpertsOffThisHostCpu(remote), "group 0 is on another host (10.0.0.7:1)");
+
+  remote.mutable_groups(1)->set_address("[2001:db8::1]:2");
+  EXPECT_EQ(LocalServiceThreads(remote), 0);  // no group here: no router either
+}
+
 }  // namespace
 }  // namespace himoe

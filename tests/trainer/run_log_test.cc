@@ -71,5 +71,37 @@ TEST(RunLogTest, AResumedRunDropsWhatFollowedItsCheckpoint) {
   EXPECT_EQ(Lines(path), (std::vector<std::pair<std::string, int64_t>>{{"config", -1}}));
 }
 
+// Hand sums: 2e9 model FLOPs in 0.5 s is 4 GFLOP/s, 40% of a 10 GFLOP/s
+// machine. Without a machine rate (experts on a GPU or another host) no MFU
+// is written or shown rather than 0 or a share of the wrong machine.
+TEST(RunLogTest, MfuOnlyAgainstAKnownMachineRate) {
+  testing::TempDir dir("himoe_run_log_mfu_test");
+  for (const double machine : {10.0, 0.0}) {
+    const std::string path = dir.str() + "/metrics.jsonl";
+    auto log = RunLog::Create(path, /*total_steps=*/2, /*window=*/4);
+    ASSERT_TRUE(log.ok()) << log.status();
+    StepResult s;
+    s.step = 1;
+    s.tokens = 1000;
+    s.seconds = 0.5;
+    s.flops = 2e9;
+    s.machine_gflops = machine;
+    (*log)->OnStep(s);
+    std::ifstream in(path);
+    std::string line;
+    ASSERT_TRUE(std::getline(in, line));
+    const auto rec = nlohmann::json::parse(line);
+    EXPECT_DOUBLE_EQ(rec.at("gflops").get<double>(), 4.0);
+    if (machine > 0) {
+      EXPECT_DOUBLE_EQ(rec.at("mfu").get<double>(), 0.4);
+      EXPECT_NE((*log)->ProgressLine().find("| MFU 40% |"), std::string::npos)
+          << (*log)->ProgressLine();
+    } else {
+      EXPECT_FALSE(rec.contains("mfu")) << line;
+      EXPECT_EQ((*log)->ProgressLine().find("MFU"), std::string::npos) << (*log)->ProgressLine();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace himoe::trainer
