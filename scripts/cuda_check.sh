@@ -19,6 +19,7 @@
 #   HIMOE_CHECK_D_MODEL, HIMOE_CHECK_D_FF  the train stage's model width and
 #                       expert width (the cluster file's 256 and 1024)
 #   HIMOE_CHECK_TRAIN_ARGS  more trainer flags (e.g. a bigger --batch_size)
+#   HIMOE_CHECK_TARGETS what the build stage builds (the other stages' binaries)
 #   HIMOE_CHECK_DEVICES the train stage's expert devices ("cuda:0 cpu"); the
 #                       first two are compared
 set -uo pipefail
@@ -111,8 +112,10 @@ build() {
     ${prefix:+-DCMAKE_PREFIX_PATH="${prefix}"} "${extra[@]}" > "${OUT}/configure.log" 2>&1 \
     || { tail -40 "${OUT}/configure.log"; return 1; }
   say build
-  ninja -C "${B}" -k 0 common_test metrics_tls_test expert_test himoe_expert_main himoe_trainer_main \
-    himoe_cluster_main himoe_router_main > "${OUT}/build.log" 2>&1 \
+  # shellcheck disable=SC2086
+  ninja -C "${B}" -k 0 ${HIMOE_CHECK_TARGETS:-common_test metrics_tls_test expert_test \
+    himoe_expert_main himoe_trainer_main himoe_cluster_main himoe_router_main} \
+    > "${OUT}/build.log" 2>&1 \
     || { grep -E "error|FAILED" "${OUT}/build.log" | head -60; return 1; }
 }
 
@@ -120,10 +123,12 @@ tests() {
   deps_env
   say "CUDA tests"
   local log="${OUT}/tests.log"
+  # StdFilesystem*: our std::filesystem calls must not bind to the copy a
+  # pip LibTorch exports (they crash there; README "Not done yet").
+  local common='*Cuda*:MetricsInTorchProcessTest.Serves*:MetricsInTorchProcessTest.Unknown*'
+  common+=':TorchRuntimeTest.StdFilesystem*'
   "${B}/tests/expert_service/expert_test" --gtest_filter='*Cuda*' > "${log}" 2>&1 &&
-    "${B}/tests/common/common_test" \
-      --gtest_filter='*Cuda*:MetricsInTorchProcessTest.Serves*:MetricsInTorchProcessTest.Unknown*' \
-      >> "${log}" 2>&1 &&
+    "${B}/tests/common/common_test" --gtest_filter="${common}" >> "${log}" 2>&1 &&
     "${B}/tests/common/metrics_tls_test" >> "${log}" 2>&1
   local rc=$?
   grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|loaded TLS" "${log}"
