@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -377,10 +376,8 @@ void SelectBlisKernels(bool probe, const std::string& cache_file, ComputeSetup& 
         setup.probes.push_back(p);
       }
       if (setup.kernels_source == "probed" && !cache_file.empty()) {
-        const std::string::size_type slash = cache_file.rfind('/');
-        if (slash != std::string::npos && slash > 0) {
-          std::error_code ignored;
-          std::filesystem::create_directories(cache_file.substr(0, slash), ignored);
+        if (cache_file.rfind('/') != std::string::npos) {
+          CreateDirectories(Dirname(cache_file)).IgnoreError();
         }
         // A cache that cannot be written only costs the next start a probe.
         if (absl::Status s = WriteFileAtomically(cache_file,

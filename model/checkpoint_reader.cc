@@ -1,7 +1,6 @@
 #include "model/checkpoint_reader.h"
 
 #include <algorithm>
-#include <filesystem>
 #include <system_error>
 
 #include <google/protobuf/io/tokenizer.h>
@@ -24,7 +23,6 @@
 namespace himoe::model {
 namespace {
 
-namespace fs = std::filesystem;
 
 constexpr char kStepPrefix[] = "step_";
 
@@ -101,29 +99,27 @@ std::string CheckpointExpertsFile(int group) { return absl::StrCat("experts_g", 
 
 absl::Status ListCheckpointDirs(const std::string& root, std::vector<CheckpointDir>* complete,
                                 std::vector<std::string>* incomplete) {
-  std::error_code ec;
-  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
+  absl::StatusOr<std::vector<std::string>> names = ListDirectory(root);
+  if (!names.ok()) return absl::InternalError(names.status().message());
+  for (const std::string& name : *names) {
     if (!absl::StartsWith(name, kStepPrefix)) continue;
     const int64_t step = ParseStepDirName(name);
-    std::error_code ec2;
-    const bool is_complete = step >= 0 && fs::is_directory(it->path(), ec2) &&
-                             fs::is_regular_file(it->path() / kCheckpointManifest, ec2);
+    const std::string path = JoinPath(root, name);
+    const bool is_complete = step >= 0 && IsDirectory(path) &&
+                             IsRegularFile(JoinPath(path, kCheckpointManifest));
     if (is_complete) {
-      complete->push_back({step, it->path().string()});
+      complete->push_back({step, path});
     } else if (incomplete != nullptr) {
-      incomplete->push_back(it->path().string());
+      incomplete->push_back(path);
     }
   }
-  if (ec) return absl::InternalError(absl::StrCat("list ", root, ": ", ec.message()));
   std::sort(complete->begin(), complete->end(),
             [](const CheckpointDir& a, const CheckpointDir& b) { return a.step > b.step; });
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root) {
-  std::error_code ec;
-  if (!fs::is_directory(root, ec)) {
+  if (!IsDirectory(root)) {
     return absl::NotFoundError(absl::StrCat("no checkpoint under ", root, ": not a directory"));
   }
   std::vector<CheckpointDir> complete;
@@ -152,7 +148,7 @@ absl::StatusOr<std::map<std::string, std::string>> ReadVerifiedCheckpointFiles(
   HIMOE_ASSIGN_OR_RETURN(
       const std::string manifest,
       ReadCheckpointFile(
-          (fs::path(dir) / kCheckpointManifest).string(),
+          JoinPath(dir, kCheckpointManifest),
           absl::StrCat(where, ": no MANIFEST (an incomplete checkpoint or not a checkpoint)")));
   HIMOE_ASSIGN_OR_RETURN(const std::vector<ManifestEntry> entries,
                          ParseManifest(manifest, where));
@@ -166,7 +162,7 @@ absl::StatusOr<std::map<std::string, std::string>> ReadVerifiedCheckpointFiles(
   for (const ManifestEntry& e : entries) {
     HIMOE_ASSIGN_OR_RETURN(
         std::string data,
-        ReadCheckpointFile((fs::path(dir) / e.name).string(),
+        ReadCheckpointFile(JoinPath(dir, e.name),
                            absl::StrCat(where, ": ", e.name,
                                         " is listed in the MANIFEST but missing")));
     HIMOE_ASSIGN_OR_RETURN(const std::string got, Sha256Hex(data));
@@ -269,13 +265,12 @@ absl::StatusOr<std::vector<std::pair<at::Tensor, at::Tensor>>> MatchDenseState(
 }
 
 absl::StatusOr<CheckpointContents> ReadCheckpoint(const std::string& path) {
-  std::error_code ec;
-  if (!fs::is_directory(path, ec)) {
+  if (!IsDirectory(path)) {
     return absl::NotFoundError(absl::StrCat("checkpoint ", path, ": not a directory"));
   }
   CheckpointContents out;
   out.dir = path;
-  if (!fs::exists(fs::path(path) / kCheckpointManifest, ec)) {
+  if (KindOf(JoinPath(path, kCheckpointManifest)) == PathKind::kMissing) {
     HIMOE_ASSIGN_OR_RETURN(out.dir, LatestCheckpoint(path));
   }
   const std::string where = absl::StrCat("checkpoint ", out.dir);

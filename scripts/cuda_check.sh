@@ -123,23 +123,25 @@ tests() {
   deps_env
   say "CUDA tests"
   local log="${OUT}/tests.log"
-  # StdFilesystem*: our std::filesystem calls must not bind to the copy a
-  # pip LibTorch exports (they crash there; README "Not done yet").
-  local common='*Cuda*:MetricsInTorchProcessTest.Serves*:MetricsInTorchProcessTest.Unknown*'
-  common+=':TorchRuntimeTest.StdFilesystem*'
   "${B}/tests/expert_service/expert_test" --gtest_filter='*Cuda*' > "${log}" 2>&1 &&
-    "${B}/tests/common/common_test" --gtest_filter="${common}" >> "${log}" 2>&1 &&
-    "${B}/tests/common/metrics_tls_test" >> "${log}" 2>&1
+    "${B}/tests/common/common_test" \
+      --gtest_filter='*Cuda*:MetricsInTorchProcessTest.Serves*:MetricsInTorchProcessTest.Unknown*' \
+      >> "${log}" 2>&1 &&
+    "${B}/tests/common/metrics_tls_test" >> "${log}" 2>&1 &&
+    bash tests/no_std_filesystem_test.sh "${B}/expert_service/himoe-expert" \
+      "${B}/router_service/himoe-router" "${B}/trainer/himoe-trainer" \
+      "${B}/deploy/local/himoe-cluster" >> "${log}" 2>&1
   local rc=$?
-  grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|loaded TLS" "${log}"
+  grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|loaded TLS|^ok: |^FAIL: " "${log}"
   if [[ ${rc} -ne 0 ]] || grep -q SKIPPED "${log}"; then return 1; fi
 }
 
 # One short training run of the cluster file's model (deploy/local/cluster.textproto)
 # with its 4 expert groups, started here as himoe-expert processes, on DEVICE;
-# metrics to ${OUT}/metrics-DEVICE.jsonl. The trainer dials the groups itself
-# (no router); each group serves /metrics on a port it picks, so a group whose
-# endpoint cannot start beside this LibTorch fails the check.
+# metrics to ${OUT}/metrics-DEVICE.jsonl, a checkpoint every 10 steps. The
+# trainer dials the groups itself (no router); each group serves /metrics on a
+# port it picks, so a group whose endpoint cannot start beside this LibTorch
+# fails the check.
 train_on() {
   local dev="$1" d="${OUT}/train-${1/:/}" g pids=() ready
   say "training with the experts on ${dev}"
@@ -166,6 +168,7 @@ train_on() {
   fi
   "${B}/trainer/himoe-trainer" --experts=cluster --cluster "${d}/cluster.textproto" --n_layer 2 \
     --steps 20 --eval_every 20 --eval_windows 16 --log_every 10 --data README.md \
+    --checkpoint_every 10 \
     --threads "${HIMOE_TRAIN_THREADS:-4}" --out_dir "${d}/run" ${HIMOE_CHECK_TRAIN_ARGS:-} \
     > "${d}/trainer.log" 2>&1
   local rc=$?

@@ -5,7 +5,6 @@
 
 #include <cerrno>
 #include <cstdio>
-#include <filesystem>
 #include <map>
 #include <sstream>
 #include <system_error>
@@ -30,7 +29,6 @@
 namespace himoe::trainer {
 namespace {
 
-namespace fs = std::filesystem;
 using google::protobuf::util::MessageDifferencer;
 using NamedTensors = std::vector<NamedTensor>;
 
@@ -38,21 +36,6 @@ constexpr char kOptimizerFile[] = "optimizer.pt";
 constexpr char kDataFile[] = "data.txt";
 
 // ---- Files.
-
-absl::Status Rename(const fs::path& from, const fs::path& to) {
-  if (::rename(from.c_str(), to.c_str()) != 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("rename ", from.string(), " -> ",
-                                                   to.string()));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status RemoveAll(const fs::path& path) {
-  std::error_code ec;
-  fs::remove_all(path, ec);
-  if (ec) return absl::InternalError(absl::StrCat("remove ", path.string(), ": ", ec.message()));
-  return absl::OkStatus();
-}
 
 std::string Pickle(const NamedTensors& tensors) {
   c10::Dict<std::string, at::Tensor> dict;
@@ -67,10 +50,10 @@ std::string Pickle(const NamedTensors& tensors) {
 // durably, and records their digests for the MANIFEST.
 class CheckpointFileWriter {
  public:
-  explicit CheckpointFileWriter(fs::path dir) : dir_(std::move(dir)) {}
+  explicit CheckpointFileWriter(std::string dir) : dir_(std::move(dir)) {}
 
   absl::Status Write(const std::string& name, const std::string& data) {
-    HIMOE_RETURN_IF_ERROR(WriteFileAtomically((dir_ / name).string(), data, /*durable=*/true));
+    HIMOE_RETURN_IF_ERROR(WriteFileAtomically(JoinPath(dir_, name), data, /*durable=*/true));
     HIMOE_ASSIGN_OR_RETURN(const std::string sha, model::Sha256Hex(data));
     absl::StrAppend(&manifest_, sha, "  ", name, "\n");
     return absl::OkStatus();
@@ -78,12 +61,12 @@ class CheckpointFileWriter {
 
   // Last: the MANIFEST's presence marks the checkpoint complete.
   absl::Status Finish() {
-    return WriteFileAtomically((dir_ / model::kCheckpointManifest).string(), manifest_,
+    return WriteFileAtomically(JoinPath(dir_, model::kCheckpointManifest), manifest_,
                                /*durable=*/true);
   }
 
  private:
-  fs::path dir_;
+  std::string dir_;
   std::string manifest_;
 };
 
@@ -120,32 +103,31 @@ absl::Status WriteCheckpointFiles(Trainer& trainer, CheckpointFileWriter& out) {
 
 // Renames `tmp` to `final_path`; an existing checkpoint of this step is moved
 // aside first (rename cannot replace a non-empty directory).
-absl::Status MoveIntoPlace(const fs::path& root, const fs::path& tmp,
-                           const fs::path& final_path) {
-  std::error_code ec;
-  if (fs::exists(final_path, ec)) {
-    const fs::path old_path = root / absl::StrCat(final_path.filename().string(), ".old-",
-                                                  static_cast<int64_t>(::getpid()));
+absl::Status MoveIntoPlace(const std::string& root, const std::string& tmp,
+                           const std::string& final_path) {
+  if (KindOf(final_path) != PathKind::kMissing) {
+    const std::string old_path = JoinPath(
+        root, absl::StrCat(Basename(final_path), ".old-", static_cast<int64_t>(::getpid())));
     HIMOE_RETURN_IF_ERROR(RemoveAll(old_path));
-    HIMOE_RETURN_IF_ERROR(Rename(final_path, old_path));
-    HIMOE_RETURN_IF_ERROR(Rename(tmp, final_path));
+    HIMOE_RETURN_IF_ERROR(RenamePath(final_path, old_path));
+    HIMOE_RETURN_IF_ERROR(RenamePath(tmp, final_path));
     HIMOE_RETURN_IF_ERROR(RemoveAll(old_path));
   } else {
-    HIMOE_RETURN_IF_ERROR(Rename(tmp, final_path));
+    HIMOE_RETURN_IF_ERROR(RenamePath(tmp, final_path));
   }
-  return FsyncDir(root.string());
+  return FsyncDir(root);
 }
 
 // Deletes every incomplete step_* entry and every complete checkpoint but
 // the newest `keep_last` (never `keep`).
-absl::Status ApplyRetention(const fs::path& root, const fs::path& keep, int keep_last) {
+absl::Status ApplyRetention(const std::string& root, const std::string& keep, int keep_last) {
   std::vector<model::CheckpointDir> complete;
   std::vector<std::string> incomplete;
-  HIMOE_RETURN_IF_ERROR(model::ListCheckpointDirs(root.string(), &complete, &incomplete));
+  HIMOE_RETURN_IF_ERROR(model::ListCheckpointDirs(root, &complete, &incomplete));
   for (const std::string& p : incomplete) HIMOE_RETURN_IF_ERROR(RemoveAll(p));
   if (keep_last > 0) {
     for (size_t i = static_cast<size_t>(keep_last); i < complete.size(); ++i) {
-      if (fs::path(complete[i].path) == keep) continue;
+      if (complete[i].path == keep) continue;
       HIMOE_RETURN_IF_ERROR(RemoveAll(complete[i].path));
     }
   }
@@ -313,38 +295,32 @@ absl::Status Apply(Trainer& trainer, ValidatedCheckpoint& c, const std::string& 
 }  // namespace
 
 absl::Status SaveCheckpoint(Trainer& trainer, const std::string& root, int keep_last) {
-  const fs::path root_path(root);
   const std::string final_name = model::CheckpointDirName(trainer.step());
-  const fs::path final_path = root_path / final_name;
-  const fs::path tmp_path =
-      root_path / absl::StrCat(final_name, ".tmp-", static_cast<int64_t>(::getpid()));
-  {
-    std::error_code ec;
-    fs::create_directories(root_path, ec);
-    if (ec) return absl::InternalError(absl::StrCat("mkdir ", root, ": ", ec.message()));
-  }
+  const std::string final_path = JoinPath(root, final_name);
+  const std::string tmp_path =
+      JoinPath(root, absl::StrCat(final_name, ".tmp-", static_cast<int64_t>(::getpid())));
+  HIMOE_RETURN_IF_ERROR(CreateDirectories(root));
   HIMOE_RETURN_IF_ERROR(RemoveAll(tmp_path));
   if (::mkdir(tmp_path.c_str(), 0755) != 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("mkdir ", tmp_path.string()));
+    return absl::ErrnoToStatus(errno, absl::StrCat("mkdir ", tmp_path));
   }
   const absl::Status written = [&]() -> absl::Status {
     CheckpointFileWriter writer(tmp_path);
     HIMOE_RETURN_IF_ERROR(WriteCheckpointFiles(trainer, writer));
-    HIMOE_RETURN_IF_ERROR(FsyncDir(tmp_path.string()));
-    return MoveIntoPlace(root_path, tmp_path, final_path);
+    HIMOE_RETURN_IF_ERROR(FsyncDir(tmp_path));
+    return MoveIntoPlace(root, tmp_path, final_path);
   }();
   if (!written.ok()) {
     RemoveAll(tmp_path).IgnoreError();
-    return absl::Status(written.code(), absl::StrCat("saving checkpoint ", final_path.string(),
+    return absl::Status(written.code(), absl::StrCat("saving checkpoint ", final_path,
                                                      ": ", written.message()));
   }
-  return ApplyRetention(root_path, final_path, keep_last);
+  return ApplyRetention(root, final_path, keep_last);
 }
 
 absl::Status LoadCheckpoint(Trainer& trainer, const std::string& dir) {
   const std::string where = absl::StrCat("checkpoint ", dir);
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) {
+  if (!IsDirectory(dir)) {
     return absl::NotFoundError(absl::StrCat(where, ": not a directory"));
   }
   HIMOE_ASSIGN_OR_RETURN(ValidatedCheckpoint checkpoint, ReadAndValidate(trainer, dir, where));

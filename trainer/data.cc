@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <locale>
@@ -16,14 +15,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/file_util.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 #include "glog/logging.h"
 
 namespace himoe::trainer {
 namespace {
-
-namespace fs = std::filesystem;
 
 constexpr int64_t kBinarySniffBytes = 4096;
 constexpr char kSamplerStateMagic[] = "himoe-batch-sampler-v1";
@@ -40,87 +38,73 @@ std::string MissingPathMessage(const std::string& path) {
 
 // Appends the regular files at `path` (a file, or a directory walked
 // recursively) to `out`.
-absl::Status CollectFiles(const std::string& path, std::vector<fs::path>* out) {
-  std::error_code ec;
-  const fs::file_status st = fs::status(path, ec);
-  if (!fs::exists(st)) return absl::NotFoundError(MissingPathMessage(path));
-  if (fs::is_regular_file(st)) {
-    out->push_back(fs::path(path));
+absl::Status CollectFiles(const std::string& path, std::vector<std::string>* out) {
+  const PathKind kind = KindOf(path);
+  if (kind == PathKind::kMissing) return absl::NotFoundError(MissingPathMessage(path));
+  if (kind == PathKind::kFile) {
+    out->push_back(path);
     return absl::OkStatus();
   }
-  if (!fs::is_directory(st)) {
+  if (kind != PathKind::kDirectory) {
     return absl::InvalidArgumentError(
         absl::StrCat("data path is neither a file nor a directory: ", path));
   }
-  fs::recursive_directory_iterator it(
-      path, fs::directory_options::skip_permission_denied, ec);
-  for (; !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-    std::error_code fec;
-    if (it->is_regular_file(fec)) out->push_back(it->path());
+  absl::StatusOr<std::vector<std::string>> files = RegularFilesUnder(path);
+  if (!files.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot ", files.status().message()));
   }
-  if (ec) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot list directory ", path, ": ", ec.message()));
-  }
+  out->insert(out->end(), files->begin(), files->end());
   return absl::OkStatus();
 }
 
 // Reads up to `n` bytes of `path` from `offset` into `dst`; returns the count.
-absl::StatusOr<int64_t> ReadAt(const fs::path& path, int64_t offset, int64_t n,
+absl::StatusOr<int64_t> ReadAt(const std::string& path, int64_t offset, int64_t n,
                                char* dst) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot open ", path.string()));
+    return absl::InvalidArgumentError(absl::StrCat("cannot open ", path));
   }
   in.seekg(offset);
   in.read(dst, n);
   if (in.bad()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("error reading ", path.string()));
+    return absl::InvalidArgumentError(absl::StrCat("error reading ", path));
   }
   return static_cast<int64_t>(in.gcount());
 }
 
 // Reads exactly `n` bytes of `path` from `offset` into `dst`.
-absl::Status ReadExactly(const fs::path& path, int64_t offset, int64_t n,
+absl::Status ReadExactly(const std::string& path, int64_t offset, int64_t n,
                          char* dst) {
   HIMOE_ASSIGN_OR_RETURN(const int64_t got, ReadAt(path, offset, n, dst));
   if (got != n) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "short read of ", path.string(), " (", got, " of ", n,
+        "short read of ", path, " (", got, " of ", n,
         " bytes at offset ", offset, "); did the file change?"));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> FileSize(const fs::path& path) {
-  std::error_code ec;
-  const uintmax_t size = fs::file_size(path, ec);
-  if (ec) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot stat ", path.string(), ": ", ec.message()));
+absl::StatusOr<int64_t> SizeOf(const std::string& path) {
+  absl::StatusOr<int64_t> size = FileSize(path);
+  if (!size.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot ", size.status().message()));
   }
-  return static_cast<int64_t>(size);
+  return size;
 }
 
 bool IsNanoGptDir(const std::string& path) {
-  std::error_code ec;
-  return fs::is_directory(path, ec) &&
-         fs::is_regular_file(fs::path(path) / "train.bin", ec);
+  return IsDirectory(path) && IsRegularFile(JoinPath(path, "train.bin"));
 }
 
 // One uint16 LE token file as an int32 tensor.
-absl::StatusOr<at::Tensor> LoadTokenBin(const fs::path& path) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) {
-    return absl::NotFoundError(
-        absl::StrCat("nanogpt token file not found: ", path.string()));
+absl::StatusOr<at::Tensor> LoadTokenBin(const std::string& path) {
+  if (!IsRegularFile(path)) {
+    return absl::NotFoundError(absl::StrCat("nanogpt token file not found: ", path));
   }
-  HIMOE_ASSIGN_OR_RETURN(const int64_t size, FileSize(path));
+  HIMOE_ASSIGN_OR_RETURN(const int64_t size, SizeOf(path));
   if (size % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        path.string(), ": odd byte length ", size,
+        path, ": odd byte length ", size,
         "; expected uint16 little-endian token ids"));
   }
   const int64_t n = size / 2;
@@ -136,7 +120,7 @@ absl::StatusOr<at::Tensor> LoadTokenBin(const fs::path& path) {
       const int32_t id = buf[2 * i] | (static_cast<int32_t>(buf[2 * i + 1]) << 8);
       if (id >= kNanoGptVocabSize) {
         return absl::InvalidArgumentError(absl::StrCat(
-            path.string(), ": token id ", id, " at index ", start + i,
+            path, ": token id ", id, " at index ", start + i,
             " is outside the vocabulary [0, ", kNanoGptVocabSize, ")"));
       }
       out[start + i] = id;
@@ -214,25 +198,24 @@ absl::StatusOr<Splits> LoadNanoGpt(const std::vector<std::string>& paths) {
         "data: nanogpt format takes exactly one directory");
   }
   const std::string& dir = paths[0];
-  std::error_code ec;
-  if (!fs::exists(dir, ec)) return absl::NotFoundError(MissingPathMessage(dir));
-  if (!fs::is_directory(dir, ec)) {
+  const PathKind kind = KindOf(dir);
+  if (kind == PathKind::kMissing) return absl::NotFoundError(MissingPathMessage(dir));
+  if (kind != PathKind::kDirectory) {
     return absl::InvalidArgumentError(absl::StrCat(
         "data: nanogpt path must be a directory with train.bin and val.bin: ",
         dir));
   }
   Splits out;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
-    const fs::path train_path = fs::path(dir) / "train.bin";
-    const fs::path val_path = fs::path(dir) / "val.bin";
+    const std::string train_path = JoinPath(dir, "train.bin");
+    const std::string val_path = JoinPath(dir, "val.bin");
     HIMOE_ASSIGN_OR_RETURN(out.train, LoadTokenBin(train_path));
     HIMOE_ASSIGN_OR_RETURN(out.val, LoadTokenBin(val_path));
     if (out.train.numel() == 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("data: empty corpus: ", train_path.string(),
-                       " holds no tokens"));
+          absl::StrCat("data: empty corpus: ", train_path, " holds no tokens"));
     }
-    out.files = {train_path.string(), val_path.string()};
+    out.files = {train_path, val_path};
     return absl::OkStatus();
   }));
   return out;
@@ -240,7 +223,7 @@ absl::StatusOr<Splits> LoadNanoGpt(const std::vector<std::string>& paths) {
 
 // A text file of a bytes corpus and how many of its bytes go to val.
 struct TextFile {
-  fs::path path;
+  std::string path;
   int64_t size;
   int64_t val;
 };
@@ -249,40 +232,34 @@ struct TextFile {
 // skipped (.dat index, .u8 copy, duplicate, binary) goes to `skipped`.
 absl::StatusOr<std::vector<TextFile>> SelectTextFiles(const DataOptions& o,
                                                       std::vector<std::string>* skipped) {
-  std::vector<fs::path> candidates;
+  std::vector<std::string> candidates;
   for (const std::string& p : o.paths) HIMOE_RETURN_IF_ERROR(CollectFiles(p, &candidates));
-  std::sort(candidates.begin(), candidates.end(),
-            [](const fs::path& a, const fs::path& b) {
-              return a.string() < b.string();
-            });
-  candidates.erase(std::unique(candidates.begin(), candidates.end()),
-                   candidates.end());
+  std::sort(candidates.begin(), candidates.end());
+  candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
   std::vector<TextFile> taken;
   std::set<std::string> canonical_taken;
-  for (const fs::path& p : candidates) {
-    const std::string name = p.filename().string();
+  for (const std::string& p : candidates) {
+    const std::string name = Basename(p);
     if (absl::EndsWith(name, ".dat")) {
-      skipped->push_back(absl::StrCat(p.string(), " (.dat index)"));
+      skipped->push_back(absl::StrCat(p, " (.dat index)"));
       continue;
     }
-    std::error_code ec;
     if (absl::EndsWith(name, ".u8") && name.size() > 3 &&
-        fs::is_regular_file(p.parent_path() / name.substr(0, name.size() - 3),
-                            ec)) {
-      skipped->push_back(absl::StrCat(p.string(), " (.u8 copy of a sibling)"));
+        IsRegularFile(JoinPath(Dirname(p), name.substr(0, name.size() - 3)))) {
+      skipped->push_back(absl::StrCat(p, " (.u8 copy of a sibling)"));
       continue;
     }
-    const fs::path canonical = fs::canonical(p, ec);
-    if (!canonical_taken.insert(ec ? p.string() : canonical.string()).second) {
-      skipped->push_back(absl::StrCat(p.string(), " (duplicate)"));
+    const absl::StatusOr<std::string> canonical = CanonicalPath(p);
+    if (!canonical_taken.insert(canonical.ok() ? *canonical : p).second) {
+      skipped->push_back(absl::StrCat(p, " (duplicate)"));
       continue;
     }
-    HIMOE_ASSIGN_OR_RETURN(const int64_t size, FileSize(p));
+    HIMOE_ASSIGN_OR_RETURN(const int64_t size, SizeOf(p));
     std::string head(std::min(size, kBinarySniffBytes), '\0');
     HIMOE_ASSIGN_OR_RETURN(const int64_t got, ReadAt(p, 0, head.size(), head.data()));
     head.resize(got);
     if (head.find('\0') != std::string::npos) {
-      skipped->push_back(absl::StrCat(p.string(), " (binary)"));
+      skipped->push_back(absl::StrCat(p, " (binary)"));
       continue;
     }
     const int64_t val = std::min<int64_t>(
@@ -318,7 +295,7 @@ absl::StatusOr<Splits> ReadByteSplits(const std::vector<TextFile>& files,
       HIMOE_RETURN_IF_ERROR(ReadExactly(t.path, tn, t.val, val_ptr));
       train_ptr += tn;
       val_ptr += t.val;
-      out.files.push_back(t.path.string());
+      out.files.push_back(t.path);
     }
     return absl::OkStatus();
   }));

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 
 #include <google/protobuf/util/json_util.h>
@@ -10,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/file_util.h"
 #include "router_service/routing_math.h"
 
 namespace himoe::trainer {
@@ -114,9 +114,9 @@ absl::StatusOr<std::unique_ptr<RunLog>> RunLog::Create(const std::string& path,
       out << kept;
       if (!out.flush()) return absl::UnavailableError(absl::StrCat("cannot write ", aside));
     }
-    std::error_code ec;
-    std::filesystem::rename(aside, path, ec);
-    if (ec) return absl::UnavailableError(absl::StrCat("cannot replace ", path, ": ", ec.message()));
+    if (absl::Status s = RenamePath(aside, path); !s.ok()) {
+      return absl::UnavailableError(absl::StrCat("cannot replace ", path, ": ", s.message()));
+    }
   }
   std::ofstream out(path, resumed_at.has_value() ? std::ios::app : std::ios::trunc);
   if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", path));

