@@ -49,36 +49,12 @@ constexpr size_t kLogTailBytes = 64 << 10;  // only the end of a long log is rea
 // wait_status() of a child that something else reaped (waitpid: ECHILD).
 constexpr int kUnknownStatus = -1;
 
-std::string Dirname(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
 std::string SelfDir() {
   char buf[PATH_MAX];
   const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
   if (n <= 0) return ".";
   buf[n] = '\0';
   return Dirname(buf);
-}
-
-absl::Status MakeDirs(const std::string& path) {
-  std::string prefix;
-  for (absl::string_view part : absl::StrSplit(path, '/')) {
-    absl::StrAppend(&prefix, part, "/");
-    if (part.empty() || part == ".") continue;
-    if (mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot create directory ", prefix, ": ", std::strerror(errno)));
-    }
-  }
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return absl::UnavailableError(absl::StrCat(path, " is not a directory"));
-  }
-  return absl::OkStatus();
 }
 
 // open() with O_CLOEXEC, moved to a descriptor >= 3 so that the child's dup2
@@ -548,7 +524,9 @@ absl::StatusOr<std::string> PrepareLogDir(const std::string& dir, const std::str
     }
     return templ;
   }
-  if (absl::Status s = MakeDirs(dir); !s.ok()) return s;
+  if (absl::Status s = CreateDirectories(dir); !s.ok()) {
+    return absl::UnavailableError(absl::StrCat("cannot create directory ", s.message()));
+  }
   return AbsolutePath(dir);
 }
 
