@@ -41,7 +41,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -67,6 +66,7 @@
 #include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "common/compute_setup.h"
+#include "common/file_util.h"
 #include "common/torch_runtime.h"
 #include "router_service/local_moe.h"
 #include "router_service/remote_moe.h"
@@ -95,7 +95,6 @@ ABSL_FLAG(int32_t, deadline_ms, 120000, "per Forward call to an expert group");
 namespace himoe::bench {
 namespace {
 
-namespace fs = std::filesystem;
 using router::LocalMoE;
 using router::MoEOutput;
 using router::RemoteMoE;
@@ -200,8 +199,7 @@ class ExpertCluster {
     }
     g_num_children.store(0);
     if (!dir_.empty()) {
-      std::error_code ignored;
-      fs::remove_all(dir_, ignored);
+      (void)RemoveAll(dir_);
       dir_.clear();
     }
   }
@@ -229,8 +227,8 @@ class ExpertCluster {
   }
 
  private:
-  std::string PortFile(int g) const { return (dir_ / absl::StrCat("group", g, ".port")).string(); }
-  std::string LogFile(int g) const { return (dir_ / absl::StrCat("group", g, ".log")).string(); }
+  std::string PortFile(int g) const { return JoinPath(dir_, absl::StrCat("group", g, ".port")); }
+  std::string LogFile(int g) const { return JoinPath(dir_, absl::StrCat("group", g, ".log")); }
 
   static std::string Tail(const std::string& path) {
     std::ifstream in(path);
@@ -269,7 +267,7 @@ class ExpertCluster {
     return absl::OkStatus();
   }
 
-  fs::path dir_;
+  std::string dir_;
   std::vector<pid_t> pids_;
   std::vector<int> ports_;
 };

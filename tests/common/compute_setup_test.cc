@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -21,6 +20,7 @@
 #include "common/linear.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/temp_dir.h"
 
 namespace himoe {
 namespace {
@@ -138,8 +138,8 @@ std::string ReadFile(const std::string& path) {
 // or BLIS, or naming kernels this BLIS lacks, is not trusted.
 TEST(ComputeSetupTest, TheKernelChoiceIsCachedForThisCpuAndBlis) {
   unsetenv("BLIS_ARCH_TYPE");
-  const std::string dir =
-      absl::StrCat(::testing::TempDir(), "himoe_kernel_cache_", getpid());
+  const test_util::TempDir temp("himoe_kernel_cache");
+  const std::string& dir = temp.path();
   ComputeOptions options;
   options.threads = 1;
   options.gemm_gflops = -1;
@@ -183,7 +183,6 @@ TEST(ComputeSetupTest, TheKernelChoiceIsCachedForThisCpuAndBlis) {
     EXPECT_EQ(ReadFile(options.kernel_cache_file), absl::StrCat(key, "\n", again->kernels, "\n"));
   }
   ExpectMatmulMatchesHandSums();
-  std::filesystem::remove_all(dir);
 }
 
 // BLIS_ARCH_TYPE from the environment wins, is named, and 'generic' warns.

@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -13,25 +12,27 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/temp_dir.h"
 
 namespace himoe {
 namespace {
 
-namespace fs = std::filesystem;
-
+// The oracle is what the test made (and stat/lstat(2)), not std::filesystem:
+// this binary must not call it (tests/temp_dir.h says why).
 class FileUtilTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / absl::StrCat("himoe_file_util_", ::getpid());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
+  std::string At(absl::string_view name) const { return temp_.Sub(name); }
+  test_util::TempDir temp_{"himoe_file_util"};
+  const std::string& dir_ = temp_.path();
 };
 
+bool IsSymlink(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
+}
+
 TEST_F(FileUtilTest, WritesReplacesAndLeavesNoTemporary) {
-  const std::string path = (dir_ / "ports").string();
+  const std::string path = At("ports");
   for (const bool durable : {false, true}) {
     ASSERT_TRUE(WriteFileAtomically(path, "50051 9465\n", durable).ok());
     auto read = ReadFileToString(path);
@@ -42,16 +43,14 @@ TEST_F(FileUtilTest, WritesReplacesAndLeavesNoTemporary) {
     ASSERT_TRUE(read.ok());
     EXPECT_EQ(*read, std::string(3 << 16, 'x'));  // longer than one read() buffer
   }
-  int entries = 0;
-  for (const auto& e : fs::directory_iterator(dir_)) entries += e.exists();
-  EXPECT_EQ(entries, 1);  // the temporary was renamed away
+  EXPECT_EQ(*ListDirectory(dir_), std::vector<std::string>{"ports"});  // the temporary renamed
 }
 
 TEST_F(FileUtilTest, ErrorsNameThePath) {
-  auto missing = ReadFileToString((dir_ / "absent").string());
+  auto missing = ReadFileToString(At("absent"));
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(missing.status().message().find("absent"), std::string::npos);
-  const absl::Status s = WriteFileAtomically((dir_ / "no" / "such" / "dir").string(), "x");
+  const absl::Status s = WriteFileAtomically(At("no/such/dir"), "x");
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
   EXPECT_NE(s.message().find("no/such/dir"), std::string::npos) << s;
 }
@@ -69,72 +68,71 @@ TEST(PathTest, JoinBasenameDirname) {
   EXPECT_EQ(Dirname("a"), ".");
 }
 
-void Touch(const fs::path& p, const std::string& text = "x") { std::ofstream(p) << text; }
+void Touch(const std::string& p, const std::string& text = "x") { std::ofstream(p) << text; }
 
 std::vector<std::string> Sorted(std::vector<std::string> v) {
   std::sort(v.begin(), v.end());
   return v;
 }
 
-// The POSIX replacements of std::filesystem, against std::filesystem itself
-// (here, with Debian's LibTorch, it is libstdc++'s).
-TEST_F(FileUtilTest, PathCallsAgreeWithStdFilesystem) {
-  const fs::path file = dir_ / "f.txt", sub = dir_ / "a" / "b" / "c";
+TEST_F(FileUtilTest, KindsSizesDirectoriesListingAndRenames) {
+  const std::string file = At("f.txt"), sub = At("a/b/c");
   Touch(file, "12345");
-  ASSERT_EQ(::mkfifo((dir_ / "fifo").c_str(), 0600), 0);
-  fs::create_symlink(file, dir_ / "link_to_file");
-  EXPECT_EQ(KindOf(file.string()), PathKind::kFile);
-  EXPECT_EQ(KindOf((dir_ / "link_to_file").string()), PathKind::kFile);  // followed
-  EXPECT_EQ(KindOf(dir_.string()), PathKind::kDirectory);
-  EXPECT_EQ(KindOf((dir_ / "fifo").string()), PathKind::kOther);
-  EXPECT_EQ(KindOf((dir_ / "absent").string()), PathKind::kMissing);
-  EXPECT_EQ(*FileSize(file.string()), 5);
-  EXPECT_THAT(FileSize((dir_ / "absent").string()).status().message(),
-              ::testing::HasSubstr("absent"));
-  EXPECT_EQ(*CanonicalPath((dir_ / "link_to_file").string()), fs::canonical(file).string());
+  ASSERT_EQ(::mkfifo(At("fifo").c_str(), 0600), 0);
+  ASSERT_EQ(::symlink(file.c_str(), At("link_to_file").c_str()), 0);
+  EXPECT_EQ(KindOf(file), PathKind::kFile);
+  EXPECT_EQ(KindOf(At("link_to_file")), PathKind::kFile);  // followed
+  EXPECT_EQ(KindOf(dir_), PathKind::kDirectory);
+  EXPECT_EQ(KindOf(At("fifo")), PathKind::kOther);
+  EXPECT_EQ(KindOf(At("absent")), PathKind::kMissing);
+  EXPECT_EQ(*FileSize(file), 5);
+  EXPECT_THAT(FileSize(At("absent")).status().message(), ::testing::HasSubstr("absent"));
 
-  ASSERT_TRUE(CreateDirectories(sub.string()).ok());
-  EXPECT_TRUE(fs::is_directory(sub));
-  EXPECT_TRUE(CreateDirectories(sub.string()).ok());  // exists already
-  EXPECT_FALSE(CreateDirectories((file / "below_a_file").string()).ok());
-  EXPECT_EQ(Sorted(*ListDirectory(dir_.string())),
+  ASSERT_TRUE(CreateDirectories(sub).ok());
+  EXPECT_TRUE(IsDirectory(sub));
+  EXPECT_TRUE(IsDirectory(At("a/b")));
+  EXPECT_TRUE(CreateDirectories(sub).ok());  // exists already
+  // realpath(3) of a link reached through "." and "..": the file it names.
+  const std::string canonical_dir = *CanonicalPath(dir_);
+  EXPECT_EQ(canonical_dir.front(), '/');
+  EXPECT_EQ(*CanonicalPath(At("./a/b/../../link_to_file")), JoinPath(canonical_dir, "f.txt"));
+  EXPECT_FALSE(CanonicalPath(At("absent")).ok());
+  EXPECT_FALSE(CreateDirectories(JoinPath(file, "below_a_file")).ok());
+  EXPECT_EQ(Sorted(*ListDirectory(dir_)),
             (std::vector<std::string>{"a", "f.txt", "fifo", "link_to_file"}));
-  EXPECT_FALSE(ListDirectory((dir_ / "absent").string()).ok());
+  EXPECT_FALSE(ListDirectory(At("absent")).ok());
 
-  const absl::Status renamed = RenamePath((dir_ / "absent").string(), (dir_ / "x").string());
+  const absl::Status renamed = RenamePath(At("absent"), At("x"));
   EXPECT_EQ(renamed.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(renamed.message(), ::testing::HasSubstr("absent -> "));
-  ASSERT_TRUE(RenamePath(file.string(), (dir_ / "g.txt").string()).ok());
-  EXPECT_TRUE(fs::exists(dir_ / "g.txt"));
-  EXPECT_FALSE(fs::exists(file));
+  ASSERT_TRUE(RenamePath(file, At("g.txt")).ok());
+  EXPECT_TRUE(IsRegularFile(At("g.txt")));
+  EXPECT_EQ(KindOf(file), PathKind::kMissing);
 }
 
-// Recursion as recursive_directory_iterator's: regular files and links to
-// them; a link to a directory is not entered. RemoveAll removes such a link,
-// not what it points to.
+// Recursion as std::filesystem::recursive_directory_iterator's: regular
+// files and links to them; a link to a directory is not entered. RemoveAll
+// removes such a link, not what it points to.
 TEST_F(FileUtilTest, RegularFilesUnderAndRemoveAllDoNotFollowDirectoryLinks) {
-  const fs::path outside = dir_ / "outside", tree = dir_ / "tree";
-  fs::create_directories(outside);
-  fs::create_directories(tree / "x" / "y");
-  Touch(outside / "keep.txt");
-  Touch(tree / "top.txt");
-  Touch(tree / "x" / "y" / "deep.txt");
-  ASSERT_EQ(::mkfifo((tree / "x" / "fifo").c_str(), 0600), 0);
-  fs::create_symlink(outside / "keep.txt", tree / "x" / "file_link");
-  fs::create_directory_symlink(outside, tree / "dir_link");
+  const std::string outside = At("outside"), tree = At("tree");
+  ASSERT_TRUE(CreateDirectories(outside).ok());
+  ASSERT_TRUE(CreateDirectories(At("tree/x/y")).ok());
+  Touch(At("outside/keep.txt"));
+  Touch(At("tree/top.txt"));
+  Touch(At("tree/x/y/deep.txt"));
+  ASSERT_EQ(::mkfifo(At("tree/x/fifo").c_str(), 0600), 0);
+  ASSERT_EQ(::symlink(At("outside/keep.txt").c_str(), At("tree/x/file_link").c_str()), 0);
+  ASSERT_EQ(::symlink(outside.c_str(), At("tree/dir_link").c_str()), 0);
 
-  std::vector<std::string> want;
-  for (const auto& e : fs::recursive_directory_iterator(tree)) {
-    if (e.is_regular_file()) want.push_back(e.path().string());
-  }
-  EXPECT_EQ(want.size(), 3u);  // top, deep, file_link
-  EXPECT_EQ(Sorted(*RegularFilesUnder(tree.string())), Sorted(want));
-  EXPECT_FALSE(RegularFilesUnder((dir_ / "absent").string()).ok());
+  EXPECT_EQ(Sorted(*RegularFilesUnder(tree)),
+            Sorted({At("tree/top.txt"), At("tree/x/y/deep.txt"), At("tree/x/file_link")}));
+  EXPECT_FALSE(RegularFilesUnder(At("absent")).ok());
 
-  ASSERT_TRUE(RemoveAll(tree.string()).ok());
-  EXPECT_FALSE(fs::exists(tree));
-  EXPECT_TRUE(fs::exists(outside / "keep.txt"));
-  EXPECT_TRUE(RemoveAll(tree.string()).ok());  // missing is fine
+  ASSERT_TRUE(RemoveAll(tree).ok());
+  EXPECT_EQ(KindOf(tree), PathKind::kMissing);
+  EXPECT_FALSE(IsSymlink(At("tree/dir_link")));
+  EXPECT_TRUE(IsRegularFile(At("outside/keep.txt")));
+  EXPECT_TRUE(RemoveAll(tree).ok());  // missing is fine
 }
 
 }  // namespace

@@ -20,7 +20,6 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -35,9 +34,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cpu_cores.h"
+#include "common/file_util.h"
 #include "common/tensor_codec.h"
 #include "proto/tls_credentials.h"
 #include "tests/http_get.h"
+#include "tests/temp_dir.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "himoe/v1/router.grpc.pb.h"
 
@@ -73,22 +74,9 @@ bool Exists(const std::string& path) {
 }
 
 // A fresh directory, removed at the end of the test.
-class TempDir {
+class TempDir : public test_util::TempDir {
  public:
-  TempDir() {
-    std::string templ = ::testing::TempDir() + "himoe_launcher_test_XXXXXX";
-    if (mkdtemp(templ.data()) != nullptr) path_ = templ;
-  }
-  ~TempDir() {
-    if (!path_.empty()) {
-      std::error_code ignored;
-      std::filesystem::remove_all(path_, ignored);
-    }
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+  TempDir() : test_util::TempDir("himoe_launcher_test") {}
 };
 
 // Free loopback ports: all bound at once (so they differ), then released.
@@ -236,7 +224,7 @@ bool NoChildLeft() {
 
 std::string BuildRoot() {
   // <build>/expert_service/himoe-expert -> <build>
-  return std::filesystem::path(HIMOE_EXPERT_BINARY).parent_path().parent_path().string();
+  return Dirname(Dirname(HIMOE_EXPERT_BINARY));
 }
 
 // Group metrics ports: 0 = none.
@@ -326,14 +314,14 @@ TEST_F(LauncherTest, StartsServesAndStopsOnSigint) {
   // The logs are where the table says, each headed by its command line: the
   // launcher found the binaries of this build tree by itself.
   const std::string expert_log = ReadFile(log_dir_ + "/expert-0.log");
-  EXPECT_THAT(expert_log, HasSubstr(std::filesystem::canonical(HIMOE_EXPERT_BINARY).string()));
+  EXPECT_THAT(expert_log, HasSubstr(CanonicalPath(HIMOE_EXPERT_BINARY).value_or("?")));
   EXPECT_THAT(expert_log, HasSubstr("--group_id=0"));
   EXPECT_THAT(expert_log, HasSubstr("--threads=1 "));  // as the cluster file says
   // --address is host:port on every binary; the expert has no --port flag.
   EXPECT_THAT(expert_log, HasSubstr(absl::StrCat("--address=127.0.0.1:", group_ports_[0], " ")));
   EXPECT_THAT(expert_log, Not(HasSubstr("--port=")));
   EXPECT_THAT(ReadFile(log_dir_ + "/router.log"),
-              HasSubstr(std::filesystem::canonical(HIMOE_ROUTER_BINARY).string()));
+              HasSubstr(CanonicalPath(HIMOE_ROUTER_BINARY).value_or("?")));
   EXPECT_THAT(launcher.Stdout(), HasSubstr(log_dir_ + "/expert-1.log"));
   EXPECT_THAT(launcher.Stdout(), HasSubstr(absl::StrCat("127.0.0.1:", router_port_)));
   EXPECT_THAT(launcher.Stdout(), HasSubstr("/metrics"));  // the router's

@@ -18,7 +18,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -33,11 +32,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/file_util.h"
 #include "common/tls_files.h"
 #include "deploy/local/local_cluster.h"
 #include "deploy/local/process_set.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "tests/http_get.h"
+#include "tests/temp_dir.h"
 
 namespace himoe::local {
 namespace {
@@ -90,11 +91,9 @@ int KillAllChildren() {
     if (any < 0) return n;  // ECHILD: none left
     // Children are running: find them in /proc (their parent is us).
     bool found = false;
-    std::error_code ec;
-    for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
-      const std::string name = entry.path().filename().string();
+    for (const std::string& name : ListDirectory("/proc").value_or(std::vector<std::string>{})) {
       if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-      std::ifstream stat_file(entry.path() / "stat");
+      std::ifstream stat_file("/proc/" + name + "/stat");
       std::string line;
       std::getline(stat_file, line);
       const size_t close = line.rfind(')');
@@ -117,22 +116,9 @@ int KillAllChildren() {
 }
 
 // A fresh directory, removed at the end of the test.
-class TempDir {
+class TempDir : public test_util::TempDir {
  public:
-  TempDir() {
-    std::string templ = ::testing::TempDir() + "himoe_local_cluster_test_XXXXXX";
-    if (mkdtemp(templ.data()) != nullptr) path_ = templ;
-  }
-  ~TempDir() {
-    if (!path_.empty()) {
-      std::error_code ignored;
-      std::filesystem::remove_all(path_, ignored);
-    }
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+  TempDir() : test_util::TempDir("himoe_local_cluster_test") {}
 };
 
 // A tiny model: 2 groups x 2 experts, 1 layer, d_model 16.
@@ -188,7 +174,7 @@ TEST_F(LocalExpertClusterTest, StartsAnswersInfoAndStops) {
   ASSERT_TRUE(started.ok()) << started.status();
   LocalExpertCluster& cluster = **started;
 
-  EXPECT_EQ(cluster.log_dir(), std::filesystem::canonical(log_dir).string());
+  EXPECT_EQ(cluster.log_dir(), CanonicalPath(log_dir).value_or("?"));
   ASSERT_EQ(cluster.addresses().size(), 2u);
   ASSERT_EQ(cluster.pids().size(), 2u);
   for (int g = 0; g < 2; ++g) {
@@ -300,7 +286,7 @@ TEST_F(LocalExpertClusterTest, FindsTheBinaryByItselfAndStopsWhenDestroyed) {
   EXPECT_THAT(log_dir, StartsWith("/tmp/himoe-experts-"));
   EXPECT_THAT(ReadFile(log_dir + "/expert-0.log"),
               StartsWith(absl::StrCat(
-                  "# ", std::filesystem::canonical(HIMOE_EXPERT_BINARY).string(), " ")));
+                  "# ", CanonicalPath(HIMOE_EXPERT_BINARY).value_or("?"), " ")));
   const std::vector<int> pids = cluster->pids();
   ASSERT_EQ(pids.size(), 2u);
   for (int pid : pids) EXPECT_EQ(kill(pid, 0), 0);
@@ -308,8 +294,7 @@ TEST_F(LocalExpertClusterTest, FindsTheBinaryByItselfAndStopsWhenDestroyed) {
   cluster.reset();
   for (int pid : pids) EXPECT_TRUE(ProcessGone(pid)) << "pid " << pid << " is still there";
   EXPECT_TRUE(NoChildLeft());
-  std::error_code ignored;
-  std::filesystem::remove_all(log_dir, ignored);
+  (void)RemoveAll(log_dir);
 }
 
 TEST_F(LocalExpertClusterTest, CheckAliveNamesADeadGroup) {
@@ -475,9 +460,8 @@ TEST_F(LocalExpertClusterTest, ExpertsDieWithTheirParent) {
   struct Cleanup {
     std::string path;
     ~Cleanup() {
-      std::error_code ignored;
-      std::filesystem::remove(path, ignored);
-      std::filesystem::remove_all(path + ".logs", ignored);
+      (void)RemoveAll(path);
+      (void)RemoveAll(path + ".logs");
     }
   } cleanup{pid_list};
 
@@ -495,8 +479,7 @@ TEST_F(LocalExpertClusterTest, ExpertsDieWithTheirParent) {
         WriteFile(list + ".tmp", absl::StrJoin((*started)->pids(), " "));
         std::rename((list + ".tmp").c_str(), list.c_str());
         (void)started->release();
-        std::error_code ignored;  // (this child's fixture never tears down)
-        std::filesystem::remove_all(dir_.path(), ignored);
+        (void)RemoveAll(dir_.path());  // (this child's fixture never tears down)
         raise(SIGKILL);
       },
       ::testing::KilledBySignal(SIGKILL), "");

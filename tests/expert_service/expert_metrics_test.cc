@@ -6,8 +6,8 @@
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <prometheus/exposer.h>
 
+#include "common/metrics_endpoint.h"
 #include "common/tensor_codec.h"
 #include "expert_service/expert_grpc_service.h"
 #include "tests/expert_service/expert_test_util.h"
@@ -24,8 +24,11 @@ TEST(ExpertMetricsTest, CountsRowsBytesAndComputeTimePerExpert) {
   auto server = ExpertServer::Start(o);
   ASSERT_TRUE(server.ok()) << server.status();
   auto metrics = std::make_shared<ExpertMetrics>((*server)->core());
-  prometheus::Exposer exposer("127.0.0.1:0");
-  exposer.RegisterCollectable(metrics);
+  // The binaries' endpoint (its civetweb threads fit beside a LibTorch of
+  // much static TLS, as pip's CUDA one), not a bare prometheus::Exposer.
+  auto exposer = StartMetricsEndpoint("metrics_port", "127.0.0.1", 0);
+  ASSERT_TRUE(exposer.ok()) << exposer.status();
+  (*exposer)->RegisterCollectable(metrics);
 
   auto stub = v1::ExpertService::NewStub(
       grpc::CreateChannel((*server)->address(), grpc::InsecureChannelCredentials()));
@@ -55,7 +58,7 @@ TEST(ExpertMetricsTest, CountsRowsBytesAndComputeTimePerExpert) {
   }
 
   auto body = testutil::HttpGet(
-      "http://127.0.0.1:" + std::to_string(exposer.GetListeningPorts().front()) + "/metrics");
+      "http://127.0.0.1:" + std::to_string(MetricsPort(**exposer)) + "/metrics");
   ASSERT_TRUE(body.ok()) << body.status();
   const auto value = [&](const std::string& name, const std::string& labels) {
     auto v = testutil::ScrapeValue(*body, name, labels);

@@ -13,7 +13,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -24,6 +23,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/file_util.h"
 #include "common/tensor_codec.h"
 #include "expert_service/expert_grpc_service.h"
 #include "router_service/local_moe.h"
@@ -35,8 +35,6 @@ extern char** environ;
 
 namespace himoe::router {
 namespace {
-
-namespace fs = std::filesystem;
 
 using testing::kD;
 using testing::kDff;
@@ -53,7 +51,7 @@ constexpr char kPython[] = "/usr/bin/python3";
 constexpr auto kChildTimeout = std::chrono::seconds(180);
 
 
-void WriteTensor(const at::Tensor& t, const fs::path& path) {
+void WriteTensor(const at::Tensor& t, const std::string& path) {
   v1::Tensor proto;
   ASSERT_TRUE(EncodeTensor(t, &proto).ok());
   std::string bytes;
@@ -67,7 +65,7 @@ void WriteTensor(const at::Tensor& t, const fs::path& path) {
 // Runs argv with stdout+stderr into `log`, without PYTHONPATH/PYTHONHOME (so a
 // pyenv set-up cannot leak into the system interpreter). Waits at most
 // kChildTimeout, then kills the child. Returns the exit code, or -1.
-int RunChild(const std::vector<std::string>& argv, const fs::path& log) {
+int RunChild(const std::vector<std::string>& argv, const std::string& log) {
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -116,7 +114,7 @@ int RunChild(const std::vector<std::string>& argv, const fs::path& log) {
   return WEXITSTATUS(status);
 }
 
-std::string ReadFile(const fs::path& path) {
+std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
   std::stringstream s;
   s << in.rdbuf();
@@ -133,17 +131,16 @@ class PythonClientTest : public ::testing::Test {
   void TearDown() override {
     router_.reset();  // the router before the experts it calls
     experts_.clear();
-    std::error_code ignored;
-    if (!dir_.empty()) fs::remove_all(dir_, ignored);
+    if (!dir_.empty()) (void)RemoveAll(dir_);
   }
 
-  fs::path dir_;
+  std::string dir_;
   std::vector<std::unique_ptr<expert::ExpertServer>> experts_;
   std::unique_ptr<RouterServer> router_;
 };
 
 TEST_F(PythonClientTest, SystemPythonHasGrpcAndNumpy) {
-  const fs::path log = dir_ / "imports.log";
+  const std::string log = JoinPath(dir_, "imports.log");
   const int code = RunChild(
       {kPython, "-c", "import grpc, grpc_tools.protoc, google.protobuf, numpy"}, log);
   EXPECT_EQ(code, 0) << kPython
@@ -183,18 +180,18 @@ TEST_F(PythonClientTest, RouteForwardFromPythonMatchesLocalMoE) {
   auto want = (*moe)->Forward(x, /*training=*/false);
   ASSERT_TRUE(want.ok()) << want.status();
   ASSERT_GT(want->output.abs().max().item<double>(), 0.0);
-  WriteTensor(x, dir_ / "x.pb");
-  WriteTensor(want->output.detach().contiguous(), dir_ / "y.pb");
+  WriteTensor(x, JoinPath(dir_, "x.pb"));
+  WriteTensor(want->output.detach().contiguous(), JoinPath(dir_, "y.pb"));
   if (HasFatalFailure()) return;
 
   const std::string src = HIMOE_SOURCE_DIR;
-  const fs::path log = dir_ / "python_client.log";
+  const std::string log = JoinPath(dir_, "python_client.log");
   const int code = RunChild({kPython, src + "/tests/router_service/python_client.py",
                              "--proto_dir", src + "/proto",
-                             "--out_dir", (dir_ / "gen").string(),
+                             "--out_dir", JoinPath(dir_, "gen"),
                              "--router", Loopback(router_->port()),
-                             "--input", (dir_ / "x.pb").string(),
-                             "--expected", (dir_ / "y.pb").string(),
+                             "--input", JoinPath(dir_, "x.pb"),
+                             "--expected", JoinPath(dir_, "y.pb"),
                              "--layer", std::to_string(kLayer)},
                             log);
   const std::string output = ReadFile(log);

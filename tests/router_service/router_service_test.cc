@@ -12,10 +12,10 @@
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <prometheus/exposer.h>
 #include <prometheus/registry.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/metrics_endpoint.h"
 #include "common/tensor_codec.h"
 #include "expert_service/expert_grpc_service.h"
 #include "proto/grpc_status.h"
@@ -450,8 +450,11 @@ TEST_F(RouterServiceTest, ARequestThatExpiredInTheQueueIsNotComputed) {
 
 TEST_F(RouterServiceTest, MetricsCountAssignmentsAndExportTheCoreCv) {
   auto registry = std::make_shared<prometheus::Registry>();
-  prometheus::Exposer exposer("127.0.0.1:0");
-  exposer.RegisterCollectable(registry);
+  // The binaries' endpoint (its civetweb threads fit beside a LibTorch of
+  // much static TLS, as pip's CUDA one), not a bare prometheus::Exposer.
+  auto exposer = StartMetricsEndpoint("metrics_port", "127.0.0.1", 0);
+  ASSERT_TRUE(exposer.ok()) << exposer.status();
+  (*exposer)->RegisterCollectable(registry);
   RouterServerOptions o = Options(RoutingMethod::kVanilla);  // flat: uneven groups
   o.registry = registry.get();
   StartRouter(o);
@@ -459,7 +462,7 @@ TEST_F(RouterServiceTest, MetricsCountAssignmentsAndExportTheCoreCv) {
   ASSERT_TRUE(Route(1, x).ok());
   const MoEOutput want = Reference(o.moe.routing, 1, x);
   auto body = testutil::HttpGet(
-      "http://127.0.0.1:" + std::to_string(exposer.GetListeningPorts().front()) + "/metrics");
+      "http://127.0.0.1:" + std::to_string(MetricsPort(**exposer)) + "/metrics");
   ASSERT_TRUE(body.ok()) << body.status();
   double total = 0;
   for (int e = 0; e < kN; ++e) {
@@ -494,7 +497,7 @@ TEST_F(RouterServiceTest, MetricsCountAssignmentsAndExportTheCoreCv) {
   // A rejected request is counted by code.
   ASSERT_FALSE(Route(9, x).ok());
   body = testutil::HttpGet(
-      "http://127.0.0.1:" + std::to_string(exposer.GetListeningPorts().front()) + "/metrics");
+      "http://127.0.0.1:" + std::to_string(MetricsPort(**exposer)) + "/metrics");
   auto errors = testutil::ScrapeValue(*body, "himoe_router_errors_total", "code=\"INVALID_ARGUMENT\"");
   ASSERT_TRUE(errors.ok()) << errors.status();
   EXPECT_EQ(*errors, 1.0);

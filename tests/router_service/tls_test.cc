@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -27,11 +26,11 @@
 #include "router_service/router_grpc_service.h"
 #include "tests/router_service/expert_cluster_util.h"
 #include "tests/router_service/routing_test_util.h"
+#include "tests/temp_dir.h"
 
 namespace himoe::router {
 namespace {
 
-namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 using testing::kD;
 using testing::kK;
@@ -41,20 +40,16 @@ using testing::kN;
 class TlsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new fs::path(fs::temp_directory_path() /
-                        ("himoe_tls_test_" + std::to_string(::getpid())));
+    dir_ = new test_util::TempDir("himoe_tls_test");
     const std::string command = "bash " + std::string(HIMOE_SOURCE_DIR) +
-                                "/tests/router_service/make_test_certs.sh " + dir_->string();
+                                "/tests/router_service/make_test_certs.sh " + dir_->path();
     ASSERT_EQ(std::system(command.c_str()), 0) << command;
   }
   static void TearDownTestSuite() {
-    std::error_code ignored;
-    fs::remove_all(*dir_, ignored);
     delete dir_;
   }
   static TlsFiles Files(const std::string& ca, const std::string& leaf) {
-    return TlsFiles{(*dir_ / (ca + ".pem")).string(), (*dir_ / (leaf + ".pem")).string(),
-                    (*dir_ / (leaf + ".key")).string()};
+    return TlsFiles{dir_->Sub(ca + ".pem"), dir_->Sub(leaf + ".pem"), dir_->Sub(leaf + ".key")};
   }
 
   // An expert service of group `g` with TLS (the server certificate).
@@ -81,10 +76,10 @@ class TlsTest : public ::testing::Test {
     return (*client)->Info().status();
   }
 
-  static fs::path* dir_;
+  static test_util::TempDir* dir_;
 };
 
-fs::path* TlsTest::dir_ = nullptr;
+test_util::TempDir* TlsTest::dir_ = nullptr;
 
 TEST_F(TlsTest, ExpertServesOnlyClientsWithACertificateOfItsCa) {
   auto server = StartTlsExpert(1);
@@ -104,7 +99,7 @@ TEST_F(TlsTest, ExpertServesOnlyClientsWithACertificateOfItsCa) {
   // No client certificate at all: a TLS client with only the CA.
   {
     grpc::SslCredentialsOptions only_ca;
-    std::ifstream in((*dir_ / "ca.pem").string());
+    std::ifstream in(dir_->Sub("ca.pem"));
     only_ca.pem_root_certs.assign(std::istreambuf_iterator<char>(in), {});
     auto stub = v1::ExpertService::NewStub(
         grpc::CreateChannel(testing::Loopback(port), grpc::SslCredentials(only_ca)));
@@ -134,7 +129,7 @@ TEST_F(TlsTest, BadFilesAreRefusedNamingThem) {
   ASSERT_FALSE(swapped.ok());
   EXPECT_THAT(std::string(swapped.status().message()),
               HasSubstr("tls key_file: " + o.tls.key_file + " holds no PEM PRIVATE KEY block"));
-  o.tls.key_file = (*dir_ / "no_such.key").string();
+  o.tls.key_file = dir_->Sub("no_such.key");
   auto unreadable = expert::ExpertServer::Start(o);
   ASSERT_FALSE(unreadable.ok());
   EXPECT_THAT(std::string(unreadable.status().message()), HasSubstr("tls key_file: cannot read"));

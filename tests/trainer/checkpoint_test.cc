@@ -6,10 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -25,6 +23,7 @@
 #include <gtest/gtest.h>
 
 #include "himoe/v1/model.pb.h"
+#include "common/file_util.h"
 #include "model/checkpoint_reader.h"
 #include "router_service/routing_config.h"
 #include "tests/trainer/trainer_test_util.h"
@@ -33,7 +32,6 @@
 namespace himoe::trainer {
 namespace {
 
-namespace fs = std::filesystem;
 using model::CheckpointDirName;
 using model::LatestCheckpoint;
 using ::testing::HasSubstr;
@@ -43,29 +41,21 @@ using TempDir = testing::TempDir;
 
 constexpr double kTol = 1e-6;
 
-fs::path CorpusDir() {
-  return fs::temp_directory_path() /
-         ("himoe_checkpoint_corpus_" + std::to_string(::getpid()));
-}
-
+// One corpus for the whole binary, removed after the last test.
 const std::string& CorpusPath() {
+  static TempDir* const dir = new TempDir("himoe_checkpoint_corpus");
   static const std::string* path = [] {
-    const fs::path dir = CorpusDir();
-    fs::create_directories(dir);
-    const fs::path file = dir / "corpus.txt";
-    std::ofstream out(file, std::ios::binary);
-    out << CorpusText();
-    return new std::string(file.string());
+    auto* file = new std::string(dir->Sub("corpus.txt"));
+    test_util::WriteTextFile(*file, CorpusText());
+    return file;
   }();
   return *path;
 }
 
-// Removes this process's corpus after the last test.
 class CorpusCleanup : public ::testing::Environment {
  public:
   void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(CorpusDir(), ec);
+    if (KindOf(CorpusPath()) == PathKind::kFile) (void)RemoveAll(Dirname(CorpusPath()));
   }
 };
 [[maybe_unused]] ::testing::Environment* const kCorpusCleanup =
@@ -153,16 +143,17 @@ void ExpectStatesEqual(const std::map<std::string, at::Tensor>& a,
   ExpectStatesNear(a, b, 0.0);
 }
 
-std::string ReadAll(const fs::path& path) {
+std::string ReadAll(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
 }
 
-std::vector<std::string> Entries(const fs::path& dir) {
-  std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+std::vector<std::string> Entries(const std::string& dir) {
+  absl::StatusOr<std::vector<std::string>> listed = ListDirectory(dir);
+  EXPECT_TRUE(listed.ok()) << listed.status();
+  std::vector<std::string> out = listed.ok() ? *listed : std::vector<std::string>{};
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -210,7 +201,7 @@ RunRecord Resumed(const TrainerOptions& o, const TrainerOptions& options_for_res
   auto latest = LatestCheckpoint(root);
   EXPECT_TRUE(latest.ok()) << latest.status();
   if (!latest.ok()) return run;
-  EXPECT_EQ(*latest, (fs::path(root) / CheckpointDirName(split)).string());
+  EXPECT_EQ(*latest, JoinPath(root, CheckpointDirName(split)));
   const absl::Status loaded = LoadCheckpoint(*t, *latest);
   EXPECT_TRUE(loaded.ok()) << loaded;
   EXPECT_EQ(t->step(), split);
@@ -254,7 +245,7 @@ TEST_P(ResumeTest, ResumedRunEqualsUninterruptedRun) {
   o.model.routing.epsilon_sys = v.epsilon_sys;
   TempDir root;
   const RunRecord a = Uninterrupted(o, 6);
-  const RunRecord b = Resumed(o, o, 3, 6, root.str());
+  const RunRecord b = Resumed(o, o, 3, 6, root.path());
   ASSERT_EQ(a.losses.size(), 6u);
   ExpectSameRun(a, b);
   // The state each variant adds moved, so the comparison above covers
@@ -302,10 +293,10 @@ TEST(CheckpointTest, LoadRestoresExactlyWhatWasSaved) {
   auto a = MakeTrainer(o);
   ASSERT_NE(a, nullptr);
   for (int i = 0; i < 2; ++i) ASSERT_TRUE(a->Step().ok());
-  ASSERT_TRUE(SaveCheckpoint(*a, root.str(), 1).ok());
+  ASSERT_TRUE(SaveCheckpoint(*a, root.path(), 1).ok());
   auto b = MakeTrainer(o);
   ASSERT_NE(b, nullptr);
-  ASSERT_TRUE(LoadCheckpoint(*b, root.str() + "/" + CheckpointDirName(2)).ok());
+  ASSERT_TRUE(LoadCheckpoint(*b, root.path() + "/" + CheckpointDirName(2)).ok());
   ExpectStatesEqual(FullState(*a), FullState(*b));
   EXPECT_EQ(a->sampler().SerializeState(), b->sampler().SerializeState());
   EXPECT_EQ(b->step(), 2);
@@ -317,13 +308,13 @@ TEST(CheckpointTest, DirectoryLayoutAndManifest) {
   auto t = MakeTrainer(o);
   ASSERT_NE(t, nullptr);
   ASSERT_TRUE(t->Step().ok());
-  ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  ASSERT_TRUE(SaveCheckpoint(*t, root.path(), 2).ok());
   EXPECT_EQ(Entries(root.path()), std::vector<std::string>{"step_00000001"});
-  const fs::path dir = root.path() / "step_00000001";
+  const std::string dir = root.Sub("step_00000001");
   EXPECT_EQ(Entries(dir),
             (std::vector<std::string>{"MANIFEST", "data.txt", "dense.pt", "experts_g0.pt",
                                       "experts_g1.pt", "meta.textproto", "optimizer.pt"}));
-  const std::string manifest = ReadAll(dir / "MANIFEST");
+  const std::string manifest = ReadAll(JoinPath(dir, "MANIFEST"));
   std::istringstream lines(manifest);
   std::set<std::string> listed;
   for (std::string line; std::getline(lines, line);) {
@@ -335,11 +326,11 @@ TEST(CheckpointTest, DirectoryLayoutAndManifest) {
                                            "experts_g1.pt", "meta.textproto", "optimizer.pt"}));
   // The MANIFEST is in sha256sum's format, and its digests are right.
   const std::string check =
-      "cd '" + dir.string() + "' && sha256sum --check --quiet --strict MANIFEST";
+      "cd '" + dir + "' && sha256sum --check --quiet --strict MANIFEST";
   EXPECT_EQ(std::system(check.c_str()), 0) << check;
   // The meta data: a RunConfig in text format with every setting.
   v1::RunConfig meta;
-  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(ReadAll(dir / "meta.textproto"),
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(ReadAll(JoinPath(dir, "meta.textproto")),
                                                             &meta));
   EXPECT_EQ(meta.format(), "himoe-checkpoint-2");
   EXPECT_EQ(meta.step(), 1);
@@ -352,7 +343,7 @@ TEST(CheckpointTest, DirectoryLayoutAndManifest) {
   EXPECT_EQ(meta.training().grad_accum(), 2);
   auto fresh = MakeTrainer(o);
   ASSERT_NE(fresh, nullptr);
-  EXPECT_TRUE(LoadCheckpoint(*fresh, dir.string()).ok());
+  EXPECT_TRUE(LoadCheckpoint(*fresh, dir).ok());
 }
 
 // Experts on expert-group services: the state is streamed out with GetState
@@ -370,7 +361,7 @@ TEST(CheckpointTest, RemoteExpertsResumeIntoFreshServices) {
     // (FullState is taken inside Resumed, while `after` is up).
     ExpertCluster before(local);
     ExpertCluster after(local);
-    b = Resumed(before.Remote(local), after.Remote(local), 3, 6, root.str());
+    b = Resumed(before.Remote(local), after.Remote(local), 3, 6, root.path());
   }
   ASSERT_EQ(a.losses.size(), 6u);
   ExpectSameRun(a, b);
@@ -385,15 +376,15 @@ TEST(CheckpointTest, FlippedByteIsDataLossAndNothingIsLoaded) {
     auto t = MakeTrainer(o);
     ASSERT_NE(t, nullptr);
     for (int i = 0; i < 2; ++i) ASSERT_TRUE(t->Step().ok());
-    ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+    ASSERT_TRUE(SaveCheckpoint(*t, root.path(), 2).ok());
   }
-  auto latest = LatestCheckpoint(root.str());
+  auto latest = LatestCheckpoint(root.path());
   ASSERT_TRUE(latest.ok()) << latest.status();
-  const fs::path victim = fs::path(*latest) / "experts_g0.pt";
+  const std::string victim = JoinPath(*latest, "experts_g0.pt");
   {
     std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
     ASSERT_TRUE(f.good());
-    const std::streamoff pos = static_cast<std::streamoff>(fs::file_size(victim) / 2);
+    const std::streamoff pos = static_cast<std::streamoff>(*FileSize(victim) / 2);
     f.seekg(pos);
     char c = 0;
     f.read(&c, 1);
@@ -428,20 +419,20 @@ TEST(CheckpointTest, MissingManifestIsAnError) {
   auto t = MakeTrainer(o);
   ASSERT_NE(t, nullptr);
   ASSERT_TRUE(t->Step().ok());
-  ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
-  const fs::path dir = root.path() / CheckpointDirName(1);
-  fs::remove(dir / "MANIFEST");
+  ASSERT_TRUE(SaveCheckpoint(*t, root.path(), 2).ok());
+  const std::string dir = root.Sub(CheckpointDirName(1));
+  ASSERT_EQ(::unlink(JoinPath(dir, "MANIFEST").c_str()), 0);
 
   auto fresh = MakeTrainer(o);
   ASSERT_NE(fresh, nullptr);
   const auto before = FullState(*fresh);
-  const absl::Status s = LoadCheckpoint(*fresh, dir.string());
+  const absl::Status s = LoadCheckpoint(*fresh, dir);
   EXPECT_FALSE(s.ok());
   EXPECT_THAT(s.message(), HasSubstr("MANIFEST"));
   ExpectStatesEqual(before, FullState(*fresh));
   EXPECT_EQ(fresh->step(), 0);
   // Without its MANIFEST it is not a complete checkpoint.
-  EXPECT_EQ(LatestCheckpoint(root.str()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(LatestCheckpoint(root.path()).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(CheckpointTest, MissingListedFileIsDataLoss) {
@@ -449,10 +440,10 @@ TEST(CheckpointTest, MissingListedFileIsDataLoss) {
   TempDir root;
   auto t = MakeTrainer(o);
   ASSERT_NE(t, nullptr);
-  ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
-  const fs::path dir = root.path() / CheckpointDirName(0);
-  fs::remove(dir / "optimizer.pt");
-  const absl::Status s = LoadCheckpoint(*t, dir.string());
+  ASSERT_TRUE(SaveCheckpoint(*t, root.path(), 2).ok());
+  const std::string dir = root.Sub(CheckpointDirName(0));
+  ASSERT_EQ(::unlink(JoinPath(dir, "optimizer.pt").c_str()), 0);
+  const absl::Status s = LoadCheckpoint(*t, dir);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_THAT(s.message(), HasSubstr("optimizer.pt"));
 }
@@ -464,11 +455,11 @@ absl::Status ResumeWith(const TrainerOptions& saved, const TrainerOptions& resum
   auto t = MakeTrainer(saved);
   if (t == nullptr) return absl::InternalError("no trainer");
   EXPECT_TRUE(t->Step().ok());
-  EXPECT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  EXPECT_TRUE(SaveCheckpoint(*t, root.path(), 2).ok());
   auto other = MakeTrainer(resumed);
   if (other == nullptr) return absl::InternalError("no trainer");
   const auto before = FullState(*other);
-  const absl::Status s = LoadCheckpoint(*other, root.str() + "/" + CheckpointDirName(1));
+  const absl::Status s = LoadCheckpoint(*other, root.path() + "/" + CheckpointDirName(1));
   if (!s.ok()) {
     ExpectStatesEqual(before, FullState(*other));
     EXPECT_EQ(other->step(), 0);
@@ -518,10 +509,10 @@ TEST(CheckpointTest, MissingDirectoryIsNotFound) {
   TempDir root;
   auto t = MakeTrainer(SmallOptions(router::RoutingMethod::kHiMoe));
   ASSERT_NE(t, nullptr);
-  EXPECT_EQ(LoadCheckpoint(*t, root.str() + "/step_00000007").code(),
+  EXPECT_EQ(LoadCheckpoint(*t, root.path() + "/step_00000007").code(),
             absl::StatusCode::kNotFound);
-  EXPECT_EQ(LatestCheckpoint(root.str()).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(LatestCheckpoint(root.str() + "/nope").status().code(),
+  EXPECT_EQ(LatestCheckpoint(root.path()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(LatestCheckpoint(root.path() + "/nope").status().code(),
             absl::StatusCode::kNotFound);
 }
 
@@ -534,28 +525,27 @@ TEST(CheckpointTest, KeepLastKeepsTheNewestComplete) {
   ASSERT_NE(t, nullptr);
   for (int i = 0; i < 3; ++i) {
     ASSERT_TRUE(t->Step().ok());
-    ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+    ASSERT_TRUE(SaveCheckpoint(*t, root.path(), 2).ok());
   }
   EXPECT_EQ(Entries(root.path()), (std::vector<std::string>{"step_00000002", "step_00000003"}));
 
   // Leftovers of crashed saves: a newer directory without a MANIFEST, a
   // temporary. Neither counts as a checkpoint; the next save removes both.
-  fs::create_directories(root.path() / "step_00000099");
-  fs::create_directories(root.path() / "step_00000004.tmp-1");
-  std::ofstream(root.path() / "step_00000004.tmp-1" / "MANIFEST") << "x";
-  auto latest = LatestCheckpoint(root.str());
+  ASSERT_TRUE(CreateDirectories(root.Sub("step_00000099")).ok());
+  test_util::WriteTextFile(root.Sub("step_00000004.tmp-1/MANIFEST"), "x");
+  auto latest = LatestCheckpoint(root.path());
   ASSERT_TRUE(latest.ok()) << latest.status();
-  EXPECT_EQ(*latest, (root.path() / "step_00000003").string());
+  EXPECT_EQ(*latest, root.Sub("step_00000003"));
 
   ASSERT_TRUE(t->Step().ok());
-  ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  ASSERT_TRUE(SaveCheckpoint(*t, root.path(), 2).ok());
   EXPECT_EQ(Entries(root.path()), (std::vector<std::string>{"step_00000003", "step_00000004"}));
-  latest = LatestCheckpoint(root.str());
+  latest = LatestCheckpoint(root.path());
   ASSERT_TRUE(latest.ok()) << latest.status();
-  EXPECT_EQ(*latest, (root.path() / "step_00000004").string());
+  EXPECT_EQ(*latest, root.Sub("step_00000004"));
 
   // Saving the same step again replaces it.
-  ASSERT_TRUE(SaveCheckpoint(*t, root.str(), 2).ok());
+  ASSERT_TRUE(SaveCheckpoint(*t, root.path(), 2).ok());
   EXPECT_EQ(Entries(root.path()), (std::vector<std::string>{"step_00000003", "step_00000004"}));
   auto fresh = MakeTrainer(o);
   ASSERT_NE(fresh, nullptr);

@@ -4,7 +4,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -14,42 +13,21 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "common/file_util.h"
+#include "tests/temp_dir.h"
+
 namespace himoe::trainer {
 namespace {
 
-namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-// A fresh directory, removed on destruction.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("himoe_data_test_" + std::to_string(::getpid()) + "_" +
-             std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  std::string str() const { return path_.string(); }
+using test_util::TempDir;
 
- private:
-  fs::path path_;
-};
-
-void WriteFile(const fs::path& path, const std::string& content) {
-  fs::create_directories(path.parent_path());
-  std::ofstream out(path, std::ios::binary);
-  out.write(content.data(), static_cast<std::streamsize>(content.size()));
-  ASSERT_TRUE(out.good()) << path;
+void WriteFile(const std::string& path, const std::string& content) {
+  test_util::WriteTextFile(path, content);
 }
 
-void WriteTokens(const fs::path& path, const std::vector<uint16_t>& ids) {
+void WriteTokens(const std::string& path, const std::vector<uint16_t>& ids) {
   std::string bytes;
   for (const uint16_t id : ids) {
     bytes.push_back(static_cast<char>(id & 0xFF));
@@ -85,15 +63,15 @@ std::unique_ptr<Corpus> MustCreate(const DataOptions& options) {
 
 TEST(CorpusTest, LoadsTextFilesRecursivelySkippingDatBinaryAndDuplicates) {
   TempDir dir;
-  WriteFile(dir.path() / "b.txt", "bravo\n");
-  WriteFile(dir.path() / "a" / "c.txt", "charlie\n");
-  WriteFile(dir.path() / "a" / "c.txt.u8", "charlie\n");  // copy of sibling
-  WriteFile(dir.path() / "b.dat", "text, but an index by name\n");
-  WriteFile(dir.path() / "bin", std::string("ELF\0\x01\x02 more", 12));
-  fs::create_symlink(dir.path() / "b.txt", dir.path() / "z_link");  // same file
+  WriteFile(dir.Sub("b.txt"), "bravo\n");
+  WriteFile(dir.Sub("a/c.txt"), "charlie\n");
+  WriteFile(dir.Sub("a/c.txt.u8"), "charlie\n");  // copy of sibling
+  WriteFile(dir.Sub("b.dat"), "text, but an index by name\n");
+  WriteFile(dir.Sub("bin"), std::string("ELF\0\x01\x02 more", 12));
+  ASSERT_EQ(::symlink(dir.Sub("b.txt").c_str(), dir.Sub("z_link").c_str()), 0);  // same file
 
   DataOptions options;
-  options.paths = {dir.str()};
+  options.paths = {dir.path()};
   options.val_fraction = 0.0;
   auto corpus = MustCreate(options);
   ASSERT_NE(corpus, nullptr);
@@ -101,8 +79,8 @@ TEST(CorpusTest, LoadsTextFilesRecursivelySkippingDatBinaryAndDuplicates) {
   EXPECT_EQ(corpus->vocab_size(), 256);
   EXPECT_EQ(corpus->train().scalar_type(), at::kByte);
   EXPECT_THAT(corpus->files(),
-              ::testing::ElementsAre((dir.path() / "a" / "c.txt").string(),
-                                     (dir.path() / "b.txt").string()));
+              ::testing::ElementsAre(dir.Sub("a/c.txt"),
+                                     dir.Sub("b.txt")));
   EXPECT_EQ(corpus->skipped().size(), 4u);
   EXPECT_EQ(TensorToString(corpus->train()), "charlie\nbravo\n");
   EXPECT_EQ(corpus->val().numel(), 0);
@@ -112,10 +90,10 @@ TEST(CorpusTest, LoadsTextFilesRecursivelySkippingDatBinaryAndDuplicates) {
 TEST(CorpusTest, SplitFollowsThePerFileRule) {
   TempDir dir;
   const std::string first = Text(100, 0), second = Text(10, 3);
-  WriteFile(dir.path() / "1.txt", first);
-  WriteFile(dir.path() / "2.txt", second);
+  WriteFile(dir.Sub("1.txt"), first);
+  WriteFile(dir.Sub("2.txt"), second);
   DataOptions options;
-  options.paths = {dir.str()};
+  options.paths = {dir.path()};
   options.val_fraction = 0.25;
   auto corpus = MustCreate(options);
   ASSERT_NE(corpus, nullptr);
@@ -147,10 +125,10 @@ TEST(CorpusTest, SplitFollowsThePerFileRule) {
 
 TEST(CorpusTest, ExplicitFilesAreSortedByPath) {
   TempDir dir;
-  WriteFile(dir.path() / "y", "yy");
-  WriteFile(dir.path() / "x", "xx");
+  WriteFile(dir.Sub("y"), "yy");
+  WriteFile(dir.Sub("x"), "xx");
   DataOptions options;
-  options.paths = {(dir.path() / "y").string(), (dir.path() / "x").string()};
+  options.paths = {dir.Sub("y"), dir.Sub("x")};
   options.val_fraction = 0.0;
   auto corpus = MustCreate(options);
   ASSERT_NE(corpus, nullptr);
@@ -161,10 +139,10 @@ TEST(CorpusTest, LoadsNanoGptBins) {
   TempDir dir;
   const std::vector<uint16_t> train = {0, 1, 255, 256, 50256, 50303, 7, 300};
   const std::vector<uint16_t> val = {42, 513, 50000};
-  WriteTokens(dir.path() / "train.bin", train);
-  WriteTokens(dir.path() / "val.bin", val);
+  WriteTokens(dir.Sub("train.bin"), train);
+  WriteTokens(dir.Sub("val.bin"), val);
   DataOptions options;
-  options.paths = {dir.str()};  // format "auto"
+  options.paths = {dir.path()};  // format "auto"
   auto corpus = MustCreate(options);
   ASSERT_NE(corpus, nullptr);
   EXPECT_EQ(corpus->format(), DataFormat::kNanoGpt);
@@ -182,22 +160,22 @@ TEST(CorpusTest, LoadsNanoGptBins) {
 
 TEST(CorpusTest, RejectsBadNanoGptBins) {
   TempDir dir;
-  WriteFile(dir.path() / "train.bin", std::string("\x01\x00\x02", 3));
-  WriteTokens(dir.path() / "val.bin", {1});
+  WriteFile(dir.Sub("train.bin"), std::string("\x01\x00\x02", 3));
+  WriteTokens(dir.Sub("val.bin"), {1});
   DataOptions options;
-  options.paths = {dir.str()};
+  options.paths = {dir.path()};
   auto odd = Corpus::Create(options);
   EXPECT_EQ(odd.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(odd.status().message(), HasSubstr("train.bin"));
   EXPECT_THAT(odd.status().message(), HasSubstr("odd byte length 3"));
 
-  WriteTokens(dir.path() / "train.bin", {1, 60000});
+  WriteTokens(dir.Sub("train.bin"), {1, 60000});
   auto oov = Corpus::Create(options);
   EXPECT_EQ(oov.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(oov.status().message(), HasSubstr("60000"));
 
-  WriteTokens(dir.path() / "train.bin", {1, 2});
-  fs::remove(dir.path() / "val.bin");
+  WriteTokens(dir.Sub("train.bin"), {1, 2});
+  ASSERT_EQ(::unlink(dir.Sub("val.bin").c_str()), 0);
   auto no_val = Corpus::Create(options);
   EXPECT_EQ(no_val.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(no_val.status().message(), HasSubstr("val.bin"));
@@ -207,20 +185,20 @@ TEST(CorpusTest, ClearErrors) {
   TempDir dir;
   DataOptions options;
 
-  options.paths = {(dir.path() / "missing").string()};
+  options.paths = {dir.Sub("missing")};
   auto missing = Corpus::Create(options);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(missing.status().message(), HasSubstr(options.paths[0]));
 
-  fs::create_directories(dir.path() / "empty_dir");
-  options.paths = {(dir.path() / "empty_dir").string()};
+  ASSERT_TRUE(CreateDirectories(dir.Sub("empty_dir")).ok());
+  options.paths = {dir.Sub("empty_dir")};
   auto empty_dir = Corpus::Create(options);
   EXPECT_EQ(empty_dir.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(empty_dir.status().message(), HasSubstr(options.paths[0]));
   EXPECT_THAT(empty_dir.status().message(), HasSubstr("no text files"));
 
-  WriteFile(dir.path() / "empty.txt", "");
-  options.paths = {(dir.path() / "empty.txt").string()};
+  WriteFile(dir.Sub("empty.txt"), "");
+  options.paths = {dir.Sub("empty.txt")};
   auto empty_file = Corpus::Create(options);
   EXPECT_EQ(empty_file.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(empty_file.status().message(), HasSubstr("empty corpus"));
@@ -230,8 +208,8 @@ TEST(CorpusTest, ClearErrors) {
   EXPECT_EQ(Corpus::Create(options).status().code(),
             absl::StatusCode::kInvalidArgument);
 
-  WriteFile(dir.path() / "t.txt", "some text");
-  options.paths = {(dir.path() / "t.txt").string()};
+  WriteFile(dir.Sub("t.txt"), "some text");
+  options.paths = {dir.Sub("t.txt")};
   options.format = "words";
   EXPECT_EQ(Corpus::Create(options).status().code(),
             absl::StatusCode::kInvalidArgument);
@@ -249,9 +227,9 @@ TEST(CorpusTest, ClearErrors) {
 }
 
 std::unique_ptr<Corpus> SmallCorpus(const TempDir& dir) {
-  WriteFile(dir.path() / "text.txt", Text(1000, 1));
+  WriteFile(dir.Sub("text.txt"), Text(1000, 1));
   DataOptions options;
-  options.paths = {dir.str()};
+  options.paths = {dir.path()};
   return MustCreate(options);
 }
 
@@ -433,7 +411,7 @@ TEST(DecodeBytesTest, RoundTripsText) {
 
 TEST(DefaultCorpusTest, LoadsTheFortunesCorpus) {
   ASSERT_EQ(DefaultCorpusPaths(), std::vector<std::string>{kDefaultCorpusDir});
-  ASSERT_TRUE(fs::is_directory(kDefaultCorpusDir))
+  ASSERT_TRUE(IsDirectory(kDefaultCorpusDir))
       << kDefaultCorpusDir
       << " is missing: install the fortunes package (apt-get install fortunes; "
          "scripts/setup.sh does)";

@@ -76,8 +76,8 @@ const Checkpoints& Trained() {
   static const std::unique_ptr<Checkpoints> c = [] {
     auto c = std::make_unique<Checkpoints>();
     c->options = TinyOptions(testing::WriteCorpus(c->dir));
-    c->untrained = (c->dir.path() / "untrained").string();
-    c->trained = (c->dir.path() / "trained").string();
+    c->untrained = c->dir.Sub("untrained");
+    c->trained = c->dir.Sub("trained");
     auto trainer = Trainer::Create(c->options);
     EXPECT_TRUE(trainer.ok()) << trainer.status();
     if (!trainer.ok()) return c;

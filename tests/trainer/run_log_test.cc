@@ -40,7 +40,7 @@ void WriteSteps(RunLog& log, int64_t first, int64_t last, int eval_every) {
 
 TEST(RunLogTest, AResumedRunDropsWhatFollowedItsCheckpoint) {
   testing::TempDir dir("himoe_run_log_test");
-  const std::string path = dir.str() + "/metrics.jsonl";
+  const std::string path = dir.path() + "/metrics.jsonl";
   v1::RunConfig config;
   config.set_step(0);
   {
@@ -77,7 +77,7 @@ TEST(RunLogTest, AResumedRunDropsWhatFollowedItsCheckpoint) {
 TEST(RunLogTest, MfuOnlyAgainstAKnownMachineRate) {
   testing::TempDir dir("himoe_run_log_mfu_test");
   for (const double machine : {10.0, 0.0}) {
-    const std::string path = dir.str() + "/metrics.jsonl";
+    const std::string path = dir.path() + "/metrics.jsonl";
     auto log = RunLog::Create(path, /*total_steps=*/2, /*window=*/4);
     ASSERT_TRUE(log.ok()) << log.status();
     StepResult s;

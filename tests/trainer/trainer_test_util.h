@@ -3,10 +3,7 @@
 #ifndef HIMOE_TESTS_TRAINER_TRAINER_TEST_UTIL_H_
 #define HIMOE_TESTS_TRAINER_TRAINER_TEST_UTIL_H_
 
-#include <unistd.h>
 
-#include <atomic>
-#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <random>
@@ -18,32 +15,12 @@
 
 #include "expert_service/expert_grpc_service.h"
 #include "model/model_config.h"
+#include "tests/temp_dir.h"
 #include "trainer/trainer.h"
 
 namespace himoe::trainer::testing {
 
-// A fresh directory named after `prefix`, removed on destruction.
-class TempDir {
- public:
-  explicit TempDir(const std::string& prefix = "himoe_trainer_test") {
-    static std::atomic<int> counter{0};
-    path_ = std::filesystem::temp_directory_path() /
-            (prefix + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::filesystem::path& path() const { return path_; }
-  std::string str() const { return path_.string(); }
-
- private:
-  std::filesystem::path path_;
-};
+using TempDir = test_util::TempDir;
 
 // ~20 KB of varied English-like text, deterministic.
 inline std::string CorpusText() {
@@ -77,7 +54,7 @@ inline std::string CorpusText() {
 
 // CorpusText() written to <dir>/corpus.txt; returns the file's path.
 inline std::string WriteCorpus(const TempDir& dir) {
-  const std::string path = (dir.path() / "corpus.txt").string();
+  const std::string path = dir.Sub("corpus.txt");
   std::ofstream(path, std::ios::binary) << CorpusText();
   return path;
 }
