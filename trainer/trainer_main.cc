@@ -397,8 +397,15 @@ absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
       HIMOE_ASSIGN_OR_RETURN(val, Evaluate(trainer, r.step, log, metrics));
     }
     if (every > 0 && (r.step % every == 0 || r.step == o.steps)) {
+      const auto start = std::chrono::steady_clock::now();
       HIMOE_RETURN_IF_ERROR(
           SaveCheckpoint(trainer, checkpoints, absl::GetFlag(FLAGS_keep_checkpoints)));
+      LOG(INFO) << "checkpoint: " << JoinPath(checkpoints, model::CheckpointDirName(r.step))
+                << " written in "
+                << std::chrono::duration_cast<std::chrono::milliseconds>(
+                       std::chrono::steady_clock::now() - start)
+                       .count()
+                << " ms";
     }
     if (tty) {
       std::cerr << "\r\033[K" << log.ProgressLine() << std::flush;

@@ -18,6 +18,7 @@ grep -q "validation: loss" "${log}"
 test "$(grep -c '"kind":"train"' "${out}/run/metrics.jsonl")" -eq 6
 test "$(grep -c '"kind":"eval"' "${out}/run/metrics.jsonl")" -eq 3
 test -f "${out}/run/checkpoints/step_00000006/MANIFEST"
+grep -q "checkpoint: ${out}/run/checkpoints/step_00000003 written in [0-9]* ms" "${log}"
 # Utilisation: the compute set-up, MFU per step, peak RSS of the coordinator
 # and each of the 4 expert processes.
 grep -q "compute: .* threads (BLAS .*), .*GEMM rate" "${log}"
