@@ -24,8 +24,8 @@
 #   HIMOE_CHECK_DEVICES the train stage's expert devices ("cuda:0 cpu"); the
 #                       first two are compared
 #   HIMOE_CHECK_CTEST_ARGS  the suite stage's ctest arguments (default: -j nproc/4,
-#                       300 s a test, OMP_NUM_THREADS=4 unless set); its log is
-#                       ${OUT}/suite.log
+#                       300 s a test; OMP_NUM_THREADS=4 and OMP_WAIT_POLICY=PASSIVE
+#                       unless set); its log is ${OUT}/suite.log
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "${ROOT}"
@@ -212,15 +212,16 @@ EOF
 # The test suite under ctest against this LibTorch. Tests that assume the
 # set-up command's Debian machine (the system BLAS, /usr/bin/python3 with
 # grpcio, fortunes, prometheus, gnuplot) fail elsewhere; the summary names
-# every failure. A test's LibTorch takes every core unless told: with 16
-# tests at once, of 16 OpenMP threads each, 21 trainer tests ran past 60 s
-# on the H100 machine (2026-11-28) that take under 0.2 s each on a 2-core
-# VM; not rerun apart, so a hang is not ruled out. Hence fewer at once.
+# every failure. A test's LibTorch takes every core unless told, and its
+# OpenMP threads spin while they wait: with 16 tests at once, of 16 threads
+# each, 21 trainer tests ran past 60 s on the H100 machine (2026-11-28) that
+# take 0.1-0.2 s alone. Here, 16 copies of one of them at once on 2 cores:
+# 32 s each with 2 spinning threads, 2 s with OMP_WAIT_POLICY=PASSIVE.
 suite() {
   deps_env
   say "test suite"
   local jobs=$(( $(nproc) / 4 ))
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
   # shellcheck disable=SC2086
   (cd "${B}" && ctest --output-on-failure \
     ${HIMOE_CHECK_CTEST_ARGS:--j $(( jobs > 0 ? jobs : 1 )) --timeout 300} \
