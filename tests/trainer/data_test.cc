@@ -2,7 +2,6 @@
 
 #include <unistd.h>
 
-#include <atomic>
 #include <cstdint>
 #include <fstream>
 #include <iostream>
