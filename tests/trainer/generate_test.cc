@@ -17,6 +17,7 @@
 #include <grpcpp/security/credentials.h>
 #include <gtest/gtest.h>
 
+#include "common/linear.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "himoe/v1/router.grpc.pb.h"
@@ -267,8 +268,28 @@ TEST(GenerateTest, TheKvCacheSamplesWhatFullRecomputeSamples) {
 }
 
 // Concurrent streams are decoded together (fewer steps than tokens) and each
-// samples exactly what it samples alone.
-TEST(GenerateTest, ConcurrentStreamsEqualTheirRunsAlone) {
+// samples exactly what it samples alone, with the few-row products (the
+// router's and the experts') as BLAS GEMMs and through the small-rows loop,
+// the two paths the compute set-up picks between.
+class ConcurrentStreamsTest : public ::testing::TestWithParam<int64_t> {
+ protected:
+  void SetUp() override {
+    saved_ = RowwiseLinearRows();
+    SetRowwiseLinearRows(GetParam());
+  }
+  void TearDown() override { SetRowwiseLinearRows(saved_); }
+
+ private:
+  int64_t saved_ = 0;
+};
+
+INSTANTIATE_TEST_SUITE_P(ProductPaths, ConcurrentStreamsTest,
+                         ::testing::Values(int64_t{0}, kRowwiseLinearRowsWhenFaster),
+                         [](const ::testing::TestParamInfo<int64_t>& info) {
+                           return info.param == 0 ? "gemm" : "small_rows";
+                         });
+
+TEST_P(ConcurrentStreamsTest, EachEqualsItsRunAlone) {
   auto g = MakeGenerator(Trained().trained);
   ASSERT_NE(g, nullptr);
   const std::vector<model::GenerateParams> params = {
