@@ -48,8 +48,6 @@ inline void WriteTextFile(const std::string& path, absl::string_view text) {
   EXPECT_TRUE(out.good()) << path;
 }
 
-inline bool PathExists(const std::string& path) { return KindOf(path) != PathKind::kMissing; }
-
 }  // namespace himoe::test_util
 
 #endif  // HIMOE_TESTS_TEMP_DIR_H_

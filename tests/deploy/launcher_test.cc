@@ -73,11 +73,6 @@ bool Exists(const std::string& path) {
   return stat(path.c_str(), &st) == 0;
 }
 
-// A fresh directory, removed at the end of the test.
-class TempDir : public test_util::TempDir {
- public:
-  TempDir() : test_util::TempDir("himoe_launcher_test") {}
-};
 
 // Free loopback ports: all bound at once (so they differ), then released.
 std::vector<int> FreeLoopbackPorts(int n) {
@@ -297,7 +292,7 @@ class LauncherTest : public ::testing::Test {
     }
   }
 
-  TempDir dir_;
+  test_util::TempDir dir_{"himoe_launcher_test"};
   std::string cluster_extra_;  // appended to the cluster file
   std::string cluster_file_, log_dir_;
   std::vector<int> group_ports_;

@@ -115,11 +115,6 @@ int KillAllChildren() {
   return n + 1000;  // gave up (some child could not be found or reaped)
 }
 
-// A fresh directory, removed at the end of the test.
-class TempDir : public test_util::TempDir {
- public:
-  TempDir() : test_util::TempDir("himoe_local_cluster_test") {}
-};
 
 // A tiny model: 2 groups x 2 experts, 1 layer, d_model 16.
 ExpertProcessOptions TinyOptions(const std::string& log_dir) {
@@ -156,7 +151,7 @@ class ChildrenTest : public ::testing::Test {
   }
   void TearDown() override { EXPECT_EQ(KillAllChildren(), 0) << "children were left behind"; }
 
-  TempDir dir_;
+  test_util::TempDir dir_{"himoe_local_cluster_test"};
 };
 
 class LocalExpertClusterTest : public ChildrenTest {

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "common/linear.h"
+#include "tests/rowwise_rows_test.h"
 
 namespace himoe::expert {
 namespace {
@@ -139,17 +140,7 @@ TEST(ExpertGroupTest, AnExpertIsTheSameWhateverGroupHoldsIt) {
 
 // Forward through the general path and, with himoe::Linear rowwise, through
 // the few-rows path (fewer than 8 rows: each row its expert's GEMVs).
-class ExpertGroupForwardTest : public ::testing::TestWithParam<int64_t> {
- protected:
-  void SetUp() override {
-    saved_ = RowwiseLinearRows();
-    SetRowwiseLinearRows(GetParam());
-  }
-  void TearDown() override { SetRowwiseLinearRows(saved_); }
-
- private:
-  int64_t saved_ = 0;
-};
+class ExpertGroupForwardTest : public test_util::RowwiseRowsTest {};
 
 TEST_P(ExpertGroupForwardTest, AppliesEachRowsOwnExpert) {
   auto group = ExpertGroup::Create(Shape(), 1, 2, kCpu);

@@ -21,10 +21,7 @@ namespace {
 using ::testing::HasSubstr;
 
 using test_util::TempDir;
-
-void WriteFile(const std::string& path, const std::string& content) {
-  test_util::WriteTextFile(path, content);
-}
+using test_util::WriteTextFile;
 
 void WriteTokens(const std::string& path, const std::vector<uint16_t>& ids) {
   std::string bytes;
@@ -32,7 +29,7 @@ void WriteTokens(const std::string& path, const std::vector<uint16_t>& ids) {
     bytes.push_back(static_cast<char>(id & 0xFF));
     bytes.push_back(static_cast<char>(id >> 8));
   }
-  WriteFile(path, bytes);
+  WriteTextFile(path, bytes);
 }
 
 std::string TensorToString(const at::Tensor& t) {
@@ -62,11 +59,11 @@ std::unique_ptr<Corpus> MustCreate(const DataOptions& options) {
 
 TEST(CorpusTest, LoadsTextFilesRecursivelySkippingDatBinaryAndDuplicates) {
   TempDir dir;
-  WriteFile(dir.Sub("b.txt"), "bravo\n");
-  WriteFile(dir.Sub("a/c.txt"), "charlie\n");
-  WriteFile(dir.Sub("a/c.txt.u8"), "charlie\n");  // copy of sibling
-  WriteFile(dir.Sub("b.dat"), "text, but an index by name\n");
-  WriteFile(dir.Sub("bin"), std::string("ELF\0\x01\x02 more", 12));
+  WriteTextFile(dir.Sub("b.txt"), "bravo\n");
+  WriteTextFile(dir.Sub("a/c.txt"), "charlie\n");
+  WriteTextFile(dir.Sub("a/c.txt.u8"), "charlie\n");  // copy of sibling
+  WriteTextFile(dir.Sub("b.dat"), "text, but an index by name\n");
+  WriteTextFile(dir.Sub("bin"), std::string("ELF\0\x01\x02 more", 12));
   ASSERT_EQ(::symlink(dir.Sub("b.txt").c_str(), dir.Sub("z_link").c_str()), 0);  // same file
 
   DataOptions options;
@@ -89,8 +86,8 @@ TEST(CorpusTest, LoadsTextFilesRecursivelySkippingDatBinaryAndDuplicates) {
 TEST(CorpusTest, SplitFollowsThePerFileRule) {
   TempDir dir;
   const std::string first = Text(100, 0), second = Text(10, 3);
-  WriteFile(dir.Sub("1.txt"), first);
-  WriteFile(dir.Sub("2.txt"), second);
+  WriteTextFile(dir.Sub("1.txt"), first);
+  WriteTextFile(dir.Sub("2.txt"), second);
   DataOptions options;
   options.paths = {dir.path()};
   options.val_fraction = 0.25;
@@ -124,8 +121,8 @@ TEST(CorpusTest, SplitFollowsThePerFileRule) {
 
 TEST(CorpusTest, ExplicitFilesAreSortedByPath) {
   TempDir dir;
-  WriteFile(dir.Sub("y"), "yy");
-  WriteFile(dir.Sub("x"), "xx");
+  WriteTextFile(dir.Sub("y"), "yy");
+  WriteTextFile(dir.Sub("x"), "xx");
   DataOptions options;
   options.paths = {dir.Sub("y"), dir.Sub("x")};
   options.val_fraction = 0.0;
@@ -159,7 +156,7 @@ TEST(CorpusTest, LoadsNanoGptBins) {
 
 TEST(CorpusTest, RejectsBadNanoGptBins) {
   TempDir dir;
-  WriteFile(dir.Sub("train.bin"), std::string("\x01\x00\x02", 3));
+  WriteTextFile(dir.Sub("train.bin"), std::string("\x01\x00\x02", 3));
   WriteTokens(dir.Sub("val.bin"), {1});
   DataOptions options;
   options.paths = {dir.path()};
@@ -196,7 +193,7 @@ TEST(CorpusTest, ClearErrors) {
   EXPECT_THAT(empty_dir.status().message(), HasSubstr(options.paths[0]));
   EXPECT_THAT(empty_dir.status().message(), HasSubstr("no text files"));
 
-  WriteFile(dir.Sub("empty.txt"), "");
+  WriteTextFile(dir.Sub("empty.txt"), "");
   options.paths = {dir.Sub("empty.txt")};
   auto empty_file = Corpus::Create(options);
   EXPECT_EQ(empty_file.status().code(), absl::StatusCode::kInvalidArgument);
@@ -207,7 +204,7 @@ TEST(CorpusTest, ClearErrors) {
   EXPECT_EQ(Corpus::Create(options).status().code(),
             absl::StatusCode::kInvalidArgument);
 
-  WriteFile(dir.Sub("t.txt"), "some text");
+  WriteTextFile(dir.Sub("t.txt"), "some text");
   options.paths = {dir.Sub("t.txt")};
   options.format = "words";
   EXPECT_EQ(Corpus::Create(options).status().code(),
@@ -226,7 +223,7 @@ TEST(CorpusTest, ClearErrors) {
 }
 
 std::unique_ptr<Corpus> SmallCorpus(const TempDir& dir) {
-  WriteFile(dir.Sub("text.txt"), Text(1000, 1));
+  WriteTextFile(dir.Sub("text.txt"), Text(1000, 1));
   DataOptions options;
   options.paths = {dir.path()};
   return MustCreate(options);

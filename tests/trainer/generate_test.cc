@@ -25,6 +25,7 @@
 #include "model/model_config.h"
 #include "router_service/router_grpc_service.h"
 #include "tests/trainer/trainer_test_util.h"
+#include "tests/rowwise_rows_test.h"
 #include "trainer/backend_moe.h"
 #include "trainer/checkpoint.h"
 #include "trainer/expert_backend.h"
@@ -271,17 +272,7 @@ TEST(GenerateTest, TheKvCacheSamplesWhatFullRecomputeSamples) {
 // samples exactly what it samples alone, with the few-row products (the
 // router's and the experts') as BLAS GEMMs and through the small-rows loop,
 // the two paths the compute set-up picks between.
-class ConcurrentStreamsTest : public ::testing::TestWithParam<int64_t> {
- protected:
-  void SetUp() override {
-    saved_ = RowwiseLinearRows();
-    SetRowwiseLinearRows(GetParam());
-  }
-  void TearDown() override { SetRowwiseLinearRows(saved_); }
-
- private:
-  int64_t saved_ = 0;
-};
+class ConcurrentStreamsTest : public test_util::RowwiseRowsTest {};
 
 INSTANTIATE_TEST_SUITE_P(ProductPaths, ConcurrentStreamsTest,
                          ::testing::Values(int64_t{0}, kRowwiseLinearRowsWhenFaster),
