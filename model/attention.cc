@@ -152,6 +152,21 @@ void HeadForward(const HeadShape& h, Rows q, Rows k, Rows v, float* p, float* y,
   }
 }
 
+// One query against n cached rows of one head: y = softmax(scale q kᵀ) v.
+// Scratch: s [RoundUp(n, 16)].
+HIMOE_CPU_CLONES
+void DecodeHead(const float* q, Rows k, Rows v, int64_t n, int64_t d_h, float scale, float* s,
+                float* y) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* r = k.at(j);
+    V16 a = Load(q) * Load(r);
+    for (int64_t d = kLanes; d < d_h; d += kLanes) a += Load(q + d) * Load(r + d);
+    s[j] = lanes::Sum(a) * scale;
+  }
+  SoftmaxRow(s, n);
+  WeightedSumOfRows(s, 1, n, v, d_h, y);
+}
+
 // One head backward from gy: dq, dk, dv rows (stride `g_stride`).
 // Scratch: vt [d_h * tp], dp [tp], row [tp], ds [t * tp].
 HIMOE_CPU_CLONES
@@ -328,6 +343,48 @@ at::Tensor CausalSelfAttention(const at::Tensor& qkv, int64_t n_head) {
       .transpose(1, 2)
       .contiguous()
       .view({B, T, C});
+}
+
+bool DecodeAttentionApplies(const at::Tensor& q, const at::Tensor& keys, int64_t n_head) {
+  return q.is_cpu() && keys.is_cpu() && q.scalar_type() == at::kFloat &&
+         keys.scalar_type() == at::kFloat && q.dim() == 2 && n_head > 0 &&
+         q.size(1) % n_head == 0 && (q.size(1) / n_head) % kLanes == 0;
+}
+
+at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           absl::Span<const int64_t> slots, absl::Span<const int64_t> lengths,
+                           int64_t n_head) {
+  TORCH_CHECK(DecodeAttentionApplies(q, keys, n_head) && values.sizes() == keys.sizes() &&
+                  keys.dim() == 3 && keys.size(2) == q.size(1) &&
+                  static_cast<int64_t>(slots.size()) == q.size(0) &&
+                  lengths.size() == slots.size(),
+              "DecodeAttention: q [S, C], keys and values [slots, rows, C], S slots and lengths");
+  const int64_t S = q.size(0), C = q.size(1), d_h = C / n_head;
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
+  at::Tensor y = at::empty({S, C}, q.options());
+  int64_t most = 1;
+  for (size_t s = 0; s < slots.size(); ++s) {
+    TORCH_CHECK(slots[s] >= 0 && slots[s] < keys.size(0) && lengths[s] >= 1 &&
+                    lengths[s] <= keys.size(1),
+                "DecodeAttention: sequence ", s, " reads slot ", slots[s], " rows [0, ",
+                lengths[s], ") of [", keys.size(0), ", ", keys.size(1), "]");
+    most = std::max(most, lengths[s]);
+  }
+  std::vector<float> scores(RoundUp(most, kLanes));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d_h));
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t slot_size = keys.size(1) * C;
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t h = 0; h < n_head; ++h) {
+      const int64_t offset = slots[s] * slot_size + h * d_h;
+      DecodeHead(qp + s * C + h * d_h, Rows{kp + offset, C}, Rows{vp + offset, C}, lengths[s],
+                 d_h, scale, scores.data(), yp + s * C + h * d_h);
+    }
+  }
+  return y;
 }
 
 }  // namespace himoe::model

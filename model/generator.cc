@@ -1,6 +1,10 @@
 #include "model/generator.h"
 
+#include <algorithm>
+#include <cmath>
+#include <functional>
 #include <limits>
+#include <mutex>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -79,32 +83,52 @@ absl::StatusOr<at::Tensor> Generator::NextTokenLogitsLocked(const std::vector<in
   return out.logits[0][keep - 1].to(at::kFloat);
 }
 
-namespace {
-
-// nanoGPT's sampling of one token from logits [V].
 absl::StatusOr<int64_t> SampleToken(const at::Tensor& logits, const GenerateParams& params,
                                     at::Generator& rng) {
-  int64_t token = 0;
+  at::Tensor row;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-    if (params.temperature == 0) {
-      token = logits.argmax().item<int64_t>();
-      return absl::OkStatus();
-    }
-    // Shifted first, so that a tiny temperature overflows to -inf (weight
-    // 0) rather than to inf - inf = NaN: the limit is greedy.
-    at::Tensor scaled = (logits - logits.max()) / params.temperature;
-    if (params.top_k > 0 && params.top_k < scaled.size(0)) {
-      const at::Tensor kth = std::get<0>(at::topk(scaled, params.top_k)).select(0, -1);
-      scaled = scaled.masked_fill(scaled < kth, -std::numeric_limits<float>::infinity());
-    }
-    token = at::multinomial(at::softmax(scaled, -1), 1, /*replacement=*/false, rng)
-                .item<int64_t>();
+    row = logits.to(at::kCPU, at::kFloat).contiguous();
     return absl::OkStatus();
   }));
-  return token;
+  const int64_t n = row.numel();
+  if (n < 1) return absl::InvalidArgumentError("sample: no logits");
+  const float* l = row.data_ptr<float>();
+  const int64_t argmax = std::max_element(l, l + n) - l;  // the first of equal maxima
+  if (params.temperature == 0) return argmax;
+  // Shifted first, so that a tiny temperature overflows to -inf (weight 0)
+  // rather than to inf - inf = NaN: the limit is greedy.
+  std::vector<double> scaled(n);
+  for (int64_t j = 0; j < n; ++j) {
+    scaled[j] = (static_cast<double>(l[j]) - l[argmax]) / params.temperature;
+  }
+  double kth = -std::numeric_limits<double>::infinity();
+  if (params.top_k > 0 && params.top_k < n) {
+    std::vector<double> sorted = scaled;
+    std::nth_element(sorted.begin(), sorted.begin() + (params.top_k - 1), sorted.end(),
+                     std::greater<double>());
+    kth = sorted[params.top_k - 1];  // ties with the k-th stay in
+  }
+  std::vector<double> cumulative(n);
+  double total = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (scaled[j] >= kth) total += std::exp(scaled[j]);
+    cumulative[j] = total;
+  }
+  // One uniform draw in [0, 1) (53 bits) from the stream's generator, then
+  // the inverse of the cumulative weights.
+  uint64_t bits = 0;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    auto* gen = at::check_generator<at::CPUGeneratorImpl>(rng);
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    bits = gen->random64();
+    return absl::OkStatus();
+  }));
+  const double target = static_cast<double>(bits >> 11) * 0x1.0p-53 * total;
+  const int64_t token =
+      std::upper_bound(cumulative.begin(), cumulative.end(), target) - cumulative.begin();
+  // target < total, so a token is found; rounding aside, the argmax has weight 1.
+  return token < n ? token : argmax;
 }
-
-}  // namespace
 
 struct Generator::Stream {
   const GenerateParams* params;

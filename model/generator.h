@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
@@ -20,6 +21,14 @@
 #include "model/transformer_lm.h"
 
 namespace himoe::model {
+
+// nanoGPT's sampling of one token from logits [V]: temperature 0 is the
+// argmax (the first of equal maxima); otherwise softmax(logits / T) over
+// the top_k largest (0: all; ties with the k-th stay in), one draw from
+// `rng` (one 64-bit number, its top 53 bits a uniform u in [0, 1)): the
+// first token whose cumulative weight exceeds u times the total.
+absl::StatusOr<int64_t> SampleToken(const at::Tensor& logits, const GenerateParams& params,
+                                    at::Generator& rng);
 
 struct GeneratorOptions {
   int max_new_tokens_limit = 4096;
@@ -39,7 +48,7 @@ struct GeneratorOptions {
 // The trained LM of a checkpoint, sampling through MoE layers (eval mode, EMA
 // frozen): the dense parts here, the routers and experts in `moe`. nanoGPT's
 // sampling: the context is cropped to the last block_size tokens, logits /
-// temperature, optional top-k, then one multinomial draw from a generator
+// temperature, optional top-k, then one draw (SampleToken) from a generator
 // seeded per request (temperature 0: argmax). Concurrent requests are decoded
 // together by one decoding thread, one token per stream per step, each
 // stream routed as if alone: a stream samples the same text alone or beside

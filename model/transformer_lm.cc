@@ -239,16 +239,21 @@ absl::StatusOr<at::Tensor> TransformerLM::DecodeStep(
       }
       pool->keys(i).index_put_({slot_t, position_t}, qkv[1]);
       pool->values(i).index_put_({slot_t, position_t}, qkv[2]);
+      const auto single_attention = [&](const at::Tensor& q) {
+        if (DecodeAttentionApplies(q, pool->keys(i), options_.n_head)) {
+          return DecodeAttention(q, pool->keys(i), pool->values(i), single_slots, single_lengths,
+                                 options_.n_head);
+        }
+        return BatchedCachedAttention(*pool, i, q, single_slot_t, single_keys, single_mask);
+      };
       at::Tensor attended;
       if (multi.empty()) {
-        attended =
-            BatchedCachedAttention(*pool, i, qkv[0], single_slot_t, single_keys, single_mask);
+        attended = single_attention(qkv[0]);
       } else {
         attended = at::empty({rows, options_.d_model}, x.options());
         if (!single_rows.empty()) {
           attended.index_copy_(0, single_row_t,
-                               BatchedCachedAttention(*pool, i, qkv[0].index_select(0, single_row_t),
-                                                      single_slot_t, single_keys, single_mask));
+                               single_attention(qkv[0].index_select(0, single_row_t)));
         }
         for (const size_t s : multi) {
           const int64_t first = last[s] - call.segments[s] + 1;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -123,6 +124,79 @@ TEST(CausalSelfAttentionTest, PackedLoopsSameBitsOnAnyThreadCount) {
   at::NoGradGuard no_grad;
   const at::Tensor prefix = CausalSelfAttention(qkv.narrow(1, 0, 20).contiguous(), H);
   EXPECT_TRUE(at::equal(prefix, one.y.narrow(1, 0, 20)));
+}
+
+
+// Decoding: softmax(q kᵀ / sqrt(d_h)) v per head over each sequence's own
+// cached rows, computed in double with LibTorch ops.
+at::Tensor ReferenceDecode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                           const std::vector<int64_t>& slots, const std::vector<int64_t>& lengths,
+                           int64_t H) {
+  const int64_t C = q.size(1), d_h = C / H;
+  std::vector<at::Tensor> rows;
+  for (size_t s = 0; s < slots.size(); ++s) {
+    const auto heads = [&](const at::Tensor& pooled) {  // [H, length, d_h]
+      return pooled.select(0, slots[s]).narrow(0, 0, lengths[s]).to(at::kDouble)
+          .view({lengths[s], H, d_h}).transpose(0, 1);
+    };
+    const at::Tensor qs = q[s].to(at::kDouble).view({H, 1, d_h});
+    const at::Tensor att = at::softmax(
+        at::matmul(qs, heads(keys).transpose(-2, -1)) / std::sqrt(static_cast<double>(d_h)), -1);
+    rows.push_back(at::matmul(att, heads(values)).view({C}));
+  }
+  return at::stack(rows);
+}
+
+// Sequences of different lengths in scattered slots (a length-1 one sees only
+// its own key: y = v there) equal the reference; rows past a sequence's
+// length, filled with garbage, change nothing.
+TEST(DecodeAttentionTest, MatchesTheReference) {
+  at::manual_seed(3);
+  for (const int64_t d_h : {16, 32, 64}) {
+    SCOPED_TRACE(testing::Message() << "d_h " << d_h);
+    const int64_t H = 3, C = H * d_h, slots = 6, rows = 70;
+    const at::Tensor keys = at::randn({slots, rows, C}) * 1.5;
+    const at::Tensor values = at::randn({slots, rows, C});
+    const std::vector<int64_t> slot = {4, 0, 5, 2}, length = {70, 1, 33, 17};
+    const at::Tensor q = at::randn({4, C}) * 1.5;
+    ASSERT_TRUE(DecodeAttentionApplies(q, keys, H));
+    const at::Tensor got = DecodeAttention(q, keys, values, slot, length, H);
+    const at::Tensor want = ReferenceDecode(q, keys, values, slot, length, H);
+    EXPECT_LE(MaxError(got, want), 2e-6 * (1 + want.abs().max().item<double>()));
+    EXPECT_TRUE(at::allclose(got[1], values[0][0], 1e-6, 1e-6));
+    at::Tensor dirty_keys = keys.clone(), dirty_values = values.clone();
+    dirty_keys[2].narrow(0, 33, rows - 33).fill_(1e30);
+    dirty_values[2].narrow(0, 33, rows - 33).fill_(std::numeric_limits<float>::quiet_NaN());
+    EXPECT_TRUE(at::equal(DecodeAttention(q, dirty_keys, dirty_values, slot, length, H), got));
+  }
+}
+
+// A sequence's row has the same bits alone as beside others.
+TEST(DecodeAttentionTest, EachRowHasItsBitsInAnyBatch) {
+  at::manual_seed(4);
+  const int64_t H = 4, C = H * 32;
+  const at::Tensor keys = at::randn({5, 40, C}), values = at::randn({5, 40, C});
+  const at::Tensor q = at::randn({5, C});
+  const std::vector<int64_t> slot = {3, 1, 4, 0, 2}, length = {40, 9, 23, 2, 31};
+  const at::Tensor together = DecodeAttention(q, keys, values, slot, length, H);
+  for (size_t s = 0; s < slot.size(); ++s) {
+    const at::Tensor alone = DecodeAttention(q.narrow(0, s, 1), keys, values, {slot[s]},
+                                             {length[s]}, H);
+    EXPECT_TRUE(at::equal(alone[0], together[s])) << "sequence " << s;
+  }
+}
+
+// Only float32 CPU rows with heads a multiple of 16 wide take the loops; a
+// slot or length outside the pool is an error, not a read past it.
+TEST(DecodeAttentionTest, AppliesOnlyWhereItCanAndChecksItsReads) {
+  const at::Tensor keys = at::zeros({2, 8, 64});
+  EXPECT_TRUE(DecodeAttentionApplies(at::zeros({1, 64}), keys, 4));
+  EXPECT_FALSE(DecodeAttentionApplies(at::zeros({1, 64}), keys, 8));  // d_h 8
+  EXPECT_FALSE(DecodeAttentionApplies(at::zeros({1, 64}, at::kDouble), keys, 4));
+  const at::Tensor q = at::zeros({1, 64});
+  EXPECT_THROW(DecodeAttention(q, keys, keys, {2}, {1}, 4), c10::Error);
+  EXPECT_THROW(DecodeAttention(q, keys, keys, {1}, {9}, 4), c10::Error);
+  EXPECT_THROW(DecodeAttention(q, keys, keys, {1}, {0}, 4), c10::Error);
 }
 
 }  // namespace
