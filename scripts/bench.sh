@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's throughput bench, one command, every number from one run.
 #
-#   scripts/bench.sh train [--steps N] [--out DIR] [-- extra himoe-trainer flags]
+#   scripts/bench.sh train [--steps N] [--rounds R] [--out DIR] [-- extra himoe-trainer flags]
 #   scripts/bench.sh soak [scripts/soak.py flags: --seconds 60 --rate 100 ...]
 #   scripts/bench.sh startup [--reps N]
 #   scripts/bench.sh generate [himoe-generate-bench flags]
@@ -15,14 +15,16 @@
 # and in 4 local expert processes. Each run measures the machine's GEMM rate
 # at start; the table gives tokens/s (median step after warm-up), model
 # GFLOP/s, MFU against that rate, remote / in-process, 2 / 1 threads, and the
-# peak RSS of the coordinator and the expert processes. Writes
+# peak RSS of the coordinator and the expert processes. --rounds R runs the
+# six R times round-robin (a VM's drift then falls on every run) and reports
+# each run's median round and every round's ratios. Writes
 # <out>/train_bench.md (the README's table) and the runs' metrics.jsonl.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${HIMOE_BUILD_DIR:-${ROOT}/build}"
 TRAINER="${BUILD}/trainer/himoe-trainer"
 
-usage() { sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 
 [[ $# -ge 1 ]] || usage
 mode="$1"; shift
@@ -131,11 +133,13 @@ if [[ "${mode}" == generate ]]; then
 fi
 [[ "${mode}" == train ]] || usage
 steps=60
+rounds=1
 out="${ROOT}/runs/bench"
 extra=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --steps) steps="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     *) usage ;;
@@ -149,18 +153,22 @@ declare -A CONFIGS=(
               --num_experts 8 --num_groups 4 --top_k 1 --d_ff 512 --moe_every 1 --lr 1e-3"
   [main]=""
 )
+[[ "${rounds}" =~ ^[1-9][0-9]*$ ]] || { echo "bench: --rounds must be a positive integer" >&2; exit 2; }
 runs=()
-for config in released main; do
-  for run in inprocess:0 inprocess:1 local:0; do
-    experts="${run%%:*}" threads="${run##*:}"
-    name="${config}-${experts}-t${threads}"
-    echo "bench: ${name}" >&2
-    # shellcheck disable=SC2086
-    "${TRAINER}" --experts="${experts}" --threads "${threads}" ${CONFIGS[${config}]} \
-      --steps "${steps}" --warmup 5 --eval_every 1000000 --eval_windows 8 --log_every 1000000 \
-      --out_dir "${out}/${name}" "${extra[@]}" >"${out}/${name}.log" 2>&1 \
-      || { echo "bench: ${name} failed; see ${out}/${name}.log" >&2; tail -5 "${out}/${name}.log" >&2; exit 1; }
-    runs+=("${name}")
+for round in $(seq 1 "${rounds}"); do
+  for config in released main; do
+    for run in inprocess:0 inprocess:1 local:0; do
+      experts="${run%%:*}" threads="${run##*:}"
+      name="${config}-${experts}-t${threads}"
+      [[ "${rounds}" == 1 ]] || name="${name}-r${round}"
+      echo "bench: ${name}" >&2
+      # shellcheck disable=SC2086
+      "${TRAINER}" --experts="${experts}" --threads "${threads}" ${CONFIGS[${config}]} \
+        --steps "${steps}" --warmup 5 --eval_every 1000000 --eval_windows 8 --log_every 1000000 \
+        --out_dir "${out}/${name}" "${extra[@]}" >"${out}/${name}.log" 2>&1 \
+        || { echo "bench: ${name} failed; see ${out}/${name}.log" >&2; tail -5 "${out}/${name}.log" >&2; exit 1; }
+      runs+=("${name}")
+    done
   done
 done
 /usr/bin/python3 "${ROOT}/scripts/bench_report.py" --out "${out}" "${runs[@]}"

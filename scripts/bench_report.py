@@ -4,13 +4,17 @@
 Each run directory holds the trainer's metrics.jsonl: a "compute" line (GEMM
 rate, BLAS, kernels, FLOPs per token), "train" lines (tokens/s, MFU per step)
 and a "memory" line (peak RSS). Steps 1-5 (warm-up) are left out; the median
-of the rest is reported.
+of the rest is reported. Runs named <run>-r<k> are round k of a --rounds
+bench: each row is then the round with the median tokens/s, and the ratios
+the median of the rounds' own ratios (both runs of a ratio from one round,
+so that a VM's drift between rounds cancels), every round's listed below.
 """
 import argparse
 import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -52,16 +56,37 @@ def cpu_model():
     return platform.processor() or "unknown CPU"
 
 
+def median_round(rounds):
+    """The round whose tokens/s is the median (the lower middle of an even count)."""
+    ordered = sorted(rounds.values(), key=lambda x: x["tok_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def round_ratios(groups, num, den):
+    """num's tokens/s over den's, for every round both ran."""
+    if num not in groups or den not in groups:
+        return []
+    return [groups[num][k]["tok_s"] / groups[den][k]["tok_s"]
+            for k in sorted(groups[num]) if k in groups[den]]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("runs", nargs="+")
     args = ap.parse_args()
-    r = {name: load(os.path.join(args.out, name)) for name in args.runs}
-    first = r[args.runs[0]]["compute"]
+    groups = {}  # run -> {round: loaded}, in the order first run
+    for name in args.runs:
+        m = re.fullmatch(r"(.+?)(?:-r(\d+))?", name)
+        groups.setdefault(m.group(1), {})[int(m.group(2) or 1)] = load(
+            os.path.join(args.out, name))
+    rounds = max(len(g) for g in groups.values())
+    r = {name: median_round(g) for name, g in groups.items()}
+    first = next(iter(r.values()))["compute"]
     rates = {}
-    for x in r.values():
-        rates.setdefault(x["compute"]["gemm_threads"], []).append(x["gemm"])
+    for g in groups.values():
+        for x in g.values():
+            rates.setdefault(x["compute"]["gemm_threads"], []).append(x["gemm"])
     cores = os.cpu_count()
     lines = [
         f"Measured {datetime.date.today().isoformat()} on {cpu_model()}, {cores} cores; "
@@ -70,24 +95,30 @@ def main():
         "(its threads in process; all cores with expert processes): "
         + "; ".join(
             f"{t} thread{'s' if t > 1 else ''} {min(g):.0f}-{max(g):.0f} GFLOP/s"
-            for t, g in sorted(rates.items())) + ".",
+            for t, g in sorted(rates.items())) + "."
+        + (f" {rounds} rounds round-robin: each row is the round with the median tokens/s, "
+           "each ratio the median of the rounds' own ratios." if rounds > 1 else ""),
         "",
         "| config | experts | threads | tokens/s | model GFLOP/s | MFU | remote / in-process "
         "| 2 / 1 threads | peak RSS coordinator | peak RSS per expert process |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in args.runs:
+    per_round = []
+    for name, x in r.items():
         config, experts, threads = name.split("-")
-        x = r[name]
         ratio = scale = ""
         if experts == "local":
-            base = r.get(f"{config}-inprocess-t0")
-            if base:
-                ratio = f"{x['tok_s'] / base['tok_s']:.2f}"
+            ratios = round_ratios(groups, name, f"{config}-inprocess-t0")
+            if ratios:
+                ratio = f"{statistics.median(ratios):.2f}"
+                per_round.append(f"{config} remote / in-process " +
+                                 ", ".join(f"{v:.2f}" for v in ratios))
         if experts == "inprocess" and threads == "t0":
-            one = r.get(f"{config}-inprocess-t1")
-            if one:
-                scale = f"{x['tok_s'] / one['tok_s']:.2f}"
+            scales = round_ratios(groups, name, f"{config}-inprocess-t1")
+            if scales:
+                scale = f"{statistics.median(scales):.2f}"
+                per_round.append(f"{config} 2 / 1 threads " +
+                                 ", ".join(f"{v:.2f}" for v in scales))
         experts_rss = x["memory"]["expert_peak_rss_mib"]
         lines.append(
             f"| {config} | {'4 processes' if experts == 'local' else 'in process'} "
@@ -95,6 +126,12 @@ def main():
             f"| {100 * x['mfu']:.0f}% | {ratio} | {scale} "
             f"| {x['memory']['coordinator_peak_rss_mib']:.0f} MiB "
             f"| {(f'{max(experts_rss):.0f} MiB' if experts_rss else '')} |")
+    if rounds > 1:
+        lines += ["", "Every round (in order): " + "; ".join(per_round) + ". MFU per round: "
+                  + "; ".join(f"{name} " + ", ".join(f"{100 * g[k]['mfu']:.0f}%"
+                                                      for k in sorted(g))
+                              for name, g in groups.items() if name.endswith("-t0")
+                              and "inprocess" in name) + "."]
     lines += ["", "FLOPs per token (training, model FLOPs): " + ", ".join(
         f"{c} {r[f'{c}-inprocess-t0']['compute']['flops_per_token'] / 1e6:.2f} M"
         for c in ("released", "main") if f"{c}-inprocess-t0" in r) + "."]
