@@ -210,14 +210,18 @@ absl::StatusOr<at::Tensor> TransformerLM::DecodeStep(
     };
     const at::Tensor id_t = on_device(ids), position_t = on_device(positions),
                      slot_t = on_device(row_slots), single_row_t = on_device(single_rows),
-                     single_slot_t = on_device(single_slots), fresh_t = on_device(fresh);
+                     fresh_t = on_device(fresh);
     at::Tensor x = wte_->forward(id_t) + wpe_->forward(position_t);  // [R, C]
     pool->Reserve(max_slot + 1, max_rows, x.options());
-    // The one-token sequences attend to their longest length's keys; those
-    // past a sequence's own length (another sequence's, or none) get weight 0.
+    // The project's loops read each one-token sequence's rows by its slot and
+    // length. Elsewhere they attend to their longest length's keys, gathered;
+    // those past a sequence's own length (another sequence's, or none) get
+    // weight 0.
+    const bool decode_loops = DecodeAttentionApplies(x, pool->keys(0), options_.n_head);
+    at::Tensor single_slot_t, single_mask;
     int64_t single_keys = 0;
-    at::Tensor single_mask;
-    if (!single_lengths.empty()) {
+    if (!decode_loops && !single_lengths.empty()) {
+      single_slot_t = on_device(single_slots);
       single_keys = *std::max_element(single_lengths.begin(), single_lengths.end());
       if (std::any_of(single_lengths.begin(), single_lengths.end(),
                       [&](int64_t l) { return l != single_keys; })) {
@@ -240,7 +244,7 @@ absl::StatusOr<at::Tensor> TransformerLM::DecodeStep(
       pool->keys(i).index_put_({slot_t, position_t}, qkv[1]);
       pool->values(i).index_put_({slot_t, position_t}, qkv[2]);
       const auto single_attention = [&](const at::Tensor& q) {
-        if (DecodeAttentionApplies(q, pool->keys(i), options_.n_head)) {
+        if (decode_loops) {
           return DecodeAttention(q, pool->keys(i), pool->values(i), single_slots, single_lengths,
                                  options_.n_head);
         }

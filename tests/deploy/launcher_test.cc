@@ -73,7 +73,6 @@ bool Exists(const std::string& path) {
   return stat(path.c_str(), &st) == 0;
 }
 
-
 // Free loopback ports: all bound at once (so they differ), then released.
 std::vector<int> FreeLoopbackPorts(int n) {
   std::vector<int> fds, ports;

@@ -115,7 +115,6 @@ int KillAllChildren() {
   return n + 1000;  // gave up (some child could not be found or reaped)
 }
 
-
 // A tiny model: 2 groups x 2 experts, 1 layer, d_model 16.
 ExpertProcessOptions TinyOptions(const std::string& log_dir) {
   ExpertProcessOptions o;

@@ -254,18 +254,24 @@ model::GeneratorOptions NoKvCache() {
   return go;
 }
 
-// The KV cache changes no token: sampled, top-k and greedy runs of 60 tokens
-// (past the block size of 32, where the window is recomputed) equal the full
-// recompute of every context.
-TEST(GenerateTest, TheKvCacheSamplesWhatFullRecomputeSamples) {
-  auto cached = MakeGenerator(Trained().trained);
-  auto full = MakeGenerator(Trained().trained, {}, true, NoKvCache());
+// Sampled, top-k and greedy runs of 60 tokens from `checkpoint` (past the
+// block size of 32, where the window is recomputed), with the KV cache and
+// with full recompute of every context: the same tokens.
+void ExpectKvCacheSamplesWhatFullRecomputeSamples(const std::string& checkpoint) {
+  auto cached = MakeGenerator(checkpoint);
+  auto full = MakeGenerator(checkpoint, {}, true, NoKvCache());
   ASSERT_NE(cached, nullptr);
   ASSERT_NE(full, nullptr);
   for (const auto& p : {Params("The ", 60, 1.0, 0, 5), Params("a", 60, 0.8, 5, 6),
                         Params("The router ", 60, 0.0, 0, 7)}) {
     EXPECT_EQ(Sample(*cached, p), Sample(*full, p)) << "seed " << p.seed;
   }
+}
+
+// The KV cache changes no token of the trained model (its heads 16 wide:
+// the project's decoding loops).
+TEST(GenerateTest, TheKvCacheSamplesWhatFullRecomputeSamples) {
+  ExpectKvCacheSamplesWhatFullRecomputeSamples(Trained().trained);
 }
 
 // Heads 24 wide (or on a GPU) a decoding step attends through one gather of
@@ -280,14 +286,7 @@ TEST(GenerateTest, TheGatherPathSamplesWhatFullRecomputeSamples) {
   ASSERT_TRUE(trainer.ok()) << trainer.status();
   const std::string checkpoint = dir.Sub("untrained");
   ASSERT_TRUE(SaveCheckpoint(**trainer, checkpoint, 1).ok());
-  auto cached = MakeGenerator(checkpoint);
-  auto full = MakeGenerator(checkpoint, {}, true, NoKvCache());
-  ASSERT_NE(cached, nullptr);
-  ASSERT_NE(full, nullptr);
-  for (const auto& p : {Params("The ", 60, 1.0, 0, 5), Params("a", 60, 0.8, 5, 6),
-                        Params("The router ", 60, 0.0, 0, 7)}) {
-    EXPECT_EQ(Sample(*cached, p), Sample(*full, p)) << "seed " << p.seed;
-  }
+  ExpectKvCacheSamplesWhatFullRecomputeSamples(checkpoint);
 }
 
 // Concurrent streams are decoded together (fewer steps than tokens) and each

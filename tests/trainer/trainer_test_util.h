@@ -3,7 +3,6 @@
 #ifndef HIMOE_TESTS_TRAINER_TRAINER_TEST_UTIL_H_
 #define HIMOE_TESTS_TRAINER_TRAINER_TEST_UTIL_H_
 
-
 #include <fstream>
 #include <memory>
 #include <random>
