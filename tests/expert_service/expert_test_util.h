@@ -1,6 +1,7 @@
 #ifndef HIMOE_TESTS_EXPERT_SERVICE_EXPERT_TEST_UTIL_H_
 #define HIMOE_TESTS_EXPERT_SERVICE_EXPERT_TEST_UTIL_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 
@@ -51,6 +52,14 @@ inline at::Tensor Decode(const v1::Tensor& proto) {
 inline double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() == 0 && b.numel() == 0) return 0;
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// Two float32 evaluations of the same sums in another order (one GEMM over an
+// expert's concatenated rows against autograd accumulating per entry; another
+// BLAS kernel's blocking) differ by a few ulps of the result's magnitude.
+inline double SumOrderTolerance(const at::Tensor& want, double ulps = 16) {
+  const double scale = want.numel() == 0 ? 0.0 : want.abs().max().item<double>();
+  return ulps * 1.1920929e-7 * std::max(1.0, scale);
 }
 
 }  // namespace himoe::expert::testing
