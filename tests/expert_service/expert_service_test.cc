@@ -253,7 +253,8 @@ class SlowRelay {
             for (int i = 0; i < 2; ++i) {
               if (both[i].revents == 0) continue;
               const ssize_t n = read(both[i].fd, buffer, sizeof(buffer));
-              if (n <= 0 || write(both[1 - i].fd, buffer, n) != n) return;
+              // MSG_NOSIGNAL: a peer that closed first must not SIGPIPE the test.
+              if (n <= 0 || send(both[1 - i].fd, buffer, n, MSG_NOSIGNAL) != n) return;
             }
           }
         });
