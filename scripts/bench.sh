@@ -8,6 +8,7 @@
 #   scripts/bench.sh generate_remote [scripts/generate_remote_bench.py flags]
 #   scripts/bench.sh serve [himoe-serve-bench flags]
 #   scripts/bench.sh kernels [himoe-kernels-bench flags]
+#   scripts/bench.sh wire [scripts/wire_bench.sh flags]
 #
 # train: back to back, on the released code's config (4 layers, d 128, block
 # 128, batch 16, 8 experts in 4 groups, K 4, width 512) and on the main job's
@@ -24,7 +25,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${HIMOE_BUILD_DIR:-${ROOT}/build}"
 TRAINER="${BUILD}/trainer/himoe-trainer"
 
-usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 
 [[ $# -ge 1 ]] || usage
 mode="$1"; shift
@@ -94,6 +95,12 @@ if [[ "${mode}" == generate_remote ]]; then
   exec /usr/bin/python3 "${ROOT}/scripts/generate_remote_bench.py" --build "${BUILD}" \
     --out "${ROOT}/runs/bench/generate_remote.md" "$@"
 fi
+if [[ "${mode}" == wire ]]; then
+  # wire: training across network namespaces with the coordinator's link
+  # shaped, float32 against bfloat16 on the wire (scripts/wire_bench.sh; root);
+  # writes runs/bench/wire.md.
+  exec bash "${ROOT}/scripts/wire_bench.sh" "$@"
+fi
 if [[ "${mode}" == kernels ]]; then
   # kernels: the project's own CPU loops at 1 and 2 threads
   # (tests/bench/kernels_bench.cc), 5 repetitions each in random order (the
@@ -109,11 +116,16 @@ if [[ "${mode}" == kernels ]]; then
 import json, sys
 runs = json.load(open(sys.argv[1]))
 ms = {}
+cold = {}  # ColdWeightLinear: (rows, path) -> us
 # Registration order (the repetitions ran in random order).
 for b in sorted(runs["benchmarks"], key=lambda b: b.get("family_index", 0)):
     if b.get("aggregate_name") == "median":
-        name, threads = b["run_name"].split("/")[:2]
-        ms[(name[3:], int(threads))] = b["real_time"] * {"ms": 1, "us": 1e-3, "ns": 1e-6}[b["time_unit"]]
+        name, arg = b["run_name"].split("/")[:2]
+        t = b["real_time"] * {"ms": 1, "us": 1e-3, "ns": 1e-6}[b["time_unit"]]
+        if name == "BM_ColdWeightLinear":
+            cold[(int(arg), int(b["run_name"].split("/")[2]))] = t * 1e3
+        else:
+            ms[(name[3:], int(arg))] = t
 ctx = runs["context"]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 lines = [f"Measured {ctx['date'][:10]} on {cpu}, {ctx['num_cpus']} CPUs; medians of 5 repetitions.", "",
@@ -121,6 +133,15 @@ lines = [f"Measured {ctx['date'][:10]} on {cpu}, {ctx['num_cpus']} CPUs; medians
 for name in dict.fromkeys(n for n, _ in ms):
     one, two = ms[(name, 1)], ms[(name, 2)]
     lines.append(f"| {name} | {one:.3f} | {two:.3f} | {one / two:.2f} |")
+if cold:
+    lines += ["", "A decoding step's expert product, x [rows, 256] times a cold [1024, 256] "
+              "weight (64 MiB of weights in turn), 1 thread: BLAS (at::addmm) against the "
+              "small-rows loop, and the weight's bytes read per second.", "",
+              "| rows | BLAS, us | GB/s | small-rows, us | GB/s |", "|---:|---:|---:|---:|---:|"]
+    mb = 1024 * 256 * 4 / 1e3  # bytes per us -> GB/s
+    for rows in sorted({r for r, _ in cold}):
+        blas, small = cold[(rows, 0)], cold[(rows, 1)]
+        lines.append(f"| {rows} | {blas:.1f} | {mb / blas:.1f} | {small:.1f} | {mb / small:.1f} |")
 open(sys.argv[2], "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

@@ -23,7 +23,7 @@ help() {
 }
 help "${expert}" address group_id num_groups num_experts d_model seed dtype device port_file
 help "${router}" cluster address metrics_port checkpoint max_new_tokens
-help "${trainer}" experts cluster method preset steps checkpoint_every resume
+help "${trainer}" experts cluster method preset steps checkpoint_every resume wire_dtype
 help "${cluster}" cluster bin_dir log_dir ready_timeout_s
 
 # refused BINARY ARGS...: exits non-zero naming --address and host:port.
@@ -49,6 +49,13 @@ grep -q "serving on 127.0.0.1:$(cut -d' ' -f1 "${tmp}/port")" "${tmp}/expert.log
   fail "himoe-expert does not serve on 127.0.0.1:<port file's port>: $(tail -2 "${tmp}/expert.log")"
 kill -TERM "${pid}"
 wait "${pid}" || fail "himoe-expert did not exit 0 on SIGTERM"
+
+# A bad --wire_dtype is refused by name, before anything starts.
+if "${trainer}" --experts=inprocess --wire_dtype=fp8 --steps=1 >"${tmp}/wire.txt" 2>&1; then
+  fail "himoe-trainer --wire_dtype=fp8: accepted"
+elif ! grep -q -- "--wire_dtype: expected float32 or bfloat16, got 'fp8'" "${tmp}/wire.txt"; then
+  fail "himoe-trainer --wire_dtype=fp8: $(tail -1 "${tmp}/wire.txt")"
+fi
 
 if ((failures > 0)); then
   echo "${failures} check(s) failed"

@@ -34,6 +34,14 @@ expert::StepOptions ToStepOptions(uint64_t step, const AdamWHyper& h, double sca
   return s;
 }
 
+absl::Status ValidateWireDtype(c10::ScalarType wire) {
+  if (wire != c10::kFloat && wire != c10::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "trainer: wire dtype must be float32 or bfloat16, got ", c10::toString(wire)));
+  }
+  return absl::OkStatus();
+}
+
 std::string LayerName(int layer, const std::string& name) {
   return absl::StrCat("layer", layer, ".", name);
 }
@@ -44,7 +52,9 @@ class InProcessBackend final : public ExpertBackend {
  public:
   static absl::StatusOr<std::unique_ptr<ExpertBackend>> Create(const ExpertBackendOptions& o) {
     HIMOE_RETURN_IF_ERROR(ValidateExpertShape(o.shape));
+    HIMOE_RETURN_IF_ERROR(ValidateWireDtype(o.wire_dtype));
     std::unique_ptr<InProcessBackend> b(new InProcessBackend());
+    b->wire_dtype_ = o.wire_dtype;
     b->groups_.resize(o.shape.num_groups());
     for (int g = 0; g < o.shape.num_groups(); ++g) {
       std::vector<expert::ExpertGroup*> all_layers;
@@ -64,11 +74,17 @@ class InProcessBackend final : public ExpertBackend {
                                                   const std::vector<at::Tensor>& rows,
                                                   const std::vector<at::Tensor>& ids,
                                                   bool) override {
+    // With a bf16 wire, the roundings of the remote path: the rows and the
+    // outputs here, and (autograd's backward of each cast) the output and
+    // input gradients.
+    const auto wire = [&](const at::Tensor& t) {
+      return wire_dtype_ == at::kFloat ? t : t.to(wire_dtype_).to(at::kFloat);
+    };
     std::vector<at::Tensor> out(rows.size());
     for (size_t g = 0; g < rows.size(); ++g) {
       if (rows[g].size(0) == 0) continue;
-      HIMOE_ASSIGN_OR_RETURN(out[g], groups_[g][layer]->Forward(rows[g], ids[g]));
-      out[g] = out[g].to(at::kFloat);
+      HIMOE_ASSIGN_OR_RETURN(out[g], groups_[g][layer]->Forward(wire(rows[g]), ids[g]));
+      out[g] = wire(out[g].to(at::kFloat));
     }
     return out;
   }
@@ -131,6 +147,7 @@ class InProcessBackend final : public ExpertBackend {
  private:
   InProcessBackend() = default;
   std::vector<std::vector<std::unique_ptr<expert::ExpertGroup>>> groups_;  // [group][layer]
+  c10::ScalarType wire_dtype_ = c10::kFloat;
   std::vector<std::unique_ptr<expert::ExpertOptimizer>> optimizers_;
 };
 
@@ -153,6 +170,7 @@ class RemoteBackend final : public ExpertBackend {
  public:
   static absl::StatusOr<std::unique_ptr<ExpertBackend>> Create(const ExpertBackendOptions& o) {
     HIMOE_RETURN_IF_ERROR(ValidateExpertShape(o.shape));
+    HIMOE_RETURN_IF_ERROR(ValidateWireDtype(o.wire_dtype));
     const int num_groups = o.shape.num_groups();
     if (static_cast<int>(o.addresses.size()) != num_groups) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -401,7 +419,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
       const at::Tensor cpu_ids = ids[i].to(at::kCPU).contiguous();
       const std::vector<int64_t> experts(cpu_ids.data_ptr<int64_t>(),
                                          cpu_ids.data_ptr<int64_t>() + cpu_ids.numel());
-      HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(rows[i].detach().to(at::kFloat).contiguous(),
+      HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(rows[i].detach().to(options_.wire_dtype).contiguous(),
                                                      experts, 0, rows[i].size(0),
                                                      r.mutable_inputs()));
     }
@@ -421,7 +439,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
                                              responses[i].mutable_outputs(), call.requests[i].inputs(),
                                              d_model(),
                                              absl::StrCat("expert group ", call.groups[i])));
-    outputs.push_back(std::move(y));
+    outputs.push_back(std::move(y));  // float32, whatever the wire's dtype
     // Backward needs only the run structure: drop the row bytes.
     for (auto& in : *call.requests[i].mutable_inputs()) in.mutable_rows()->clear_data();
   }
@@ -443,7 +461,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
       r.set_micro_batch(f.micro_batch());
       r.set_request_id(f.request_id());
       r.set_run_id(f.run_id());
-      const at::Tensor g = grads[i].defined() ? grads[i].to(at::kFloat).contiguous()
+      const at::Tensor g = grads[i].defined() ? grads[i].to(options_.wire_dtype).contiguous()
                                               : at::Tensor();
       int64_t row = 0;
       for (const v1::ExpertRows& in : f.inputs()) {
@@ -451,7 +469,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
         v1::ExpertRows* out = r.add_output_grads();
         out->set_expert_id(in.expert_id());
         const at::Tensor part = g.defined() ? g.slice(0, row, row + rows)
-                                            : at::zeros({rows, d_model()});
+                                            : at::zeros({rows, d_model()}, options_.wire_dtype);
         HIMOE_RETURN_IF_ERROR(EncodeTensor(part, out->mutable_rows()));
         row += rows;
       }
@@ -473,7 +491,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
                                              call.requests[i].inputs(), d_model(),
                                              absl::StrCat("expert group ", call.groups[i],
                                                           " grads")));
-    input_grads.push_back(std::move(g));
+    input_grads.push_back(std::move(g));  // float32, whatever the wire's dtype
   }
   return input_grads;
 }

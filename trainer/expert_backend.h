@@ -10,6 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 
 #include "absl/status/statusor.h"
 #include "common/named_tensor.h"
@@ -65,6 +66,11 @@ struct ExpertBackendOptions {
   // (BeginRun: seed weights, zero optimizer state, no saved Forwards) and
   // every Step carries it. Empty: no run is begun (serving, Generate).
   std::string run_id;
+  // The dtype of the rows, outputs and gradients between the coordinator and
+  // the groups: kFloat, or kBFloat16 (half the bytes; each crossing rounded,
+  // and the experts still compute in float32). In process the same roundings
+  // are made, so a bf16 run there is the remote run's reference.
+  c10::ScalarType wire_dtype = c10::kFloat;
   // Remote only: called with (group, RPC name, seconds) after every
   // Forward/Backward/Step call, from gRPC threads.
   std::function<void(int, const std::string&, double)> on_rpc;

@@ -56,6 +56,7 @@ v1::RunConfig RunConfigFor(const TrainerOptions& o, int64_t step) {
   t.set_seed(o.seed);
   t.set_experts(!o.experts_mode.empty() ? o.experts_mode
                                          : (o.remote_experts ? "remote" : "inprocess"));
+  t.set_wire_dtype(o.wire_dtype == c10::kBFloat16 ? "bfloat16" : "float32");
   c.set_description(absl::StrCat(
       router::RoutingMethodName(r.method), " MoE LM at step ", step, ": ", m.n_layer,
       " layers, d_model ", m.d_model, ", ", m.n_head, " heads, N=", r.num_experts,
@@ -95,6 +96,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   bo.shape = model::ExpertShapeFor(o.model);
   bo.addresses = o.expert_addresses;
   bo.tls = o.tls;
+  bo.wire_dtype = o.wire_dtype;
   bo.on_rpc = o.on_rpc;
   if (opts.run_id.empty()) opts.run_id = NewRunId();
   bo.run_id = opts.run_id;

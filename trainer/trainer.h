@@ -37,6 +37,9 @@ struct TrainerOptions {
   // Remote experts: the training run begun on every group (see
   // ExpertBackendOptions::run_id); empty = a new unique id.
   std::string run_id;
+  // The experts' rows, outputs and gradients on the wire (kFloat or
+  // kBFloat16; see ExpertBackendOptions::wire_dtype).
+  c10::ScalarType wire_dtype = c10::kFloat;
   // Remote experts: (group, RPC, seconds) of every call, from gRPC threads.
   std::function<void(int, const std::string&, double)> on_rpc;
 

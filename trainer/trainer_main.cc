@@ -106,6 +106,10 @@ ABSL_FLAG(uint64_t, seed, 1, "seed of weights and batches");
 ABSL_FLAG(int, threads, 0,
           "torch and BLAS threads of this process; 0 = all cores, or with --experts=local, or "
           "--experts=cluster with services on this host, the cores they leave (at least 1)");
+ABSL_FLAG(std::string, wire_dtype, "float32",
+          "the experts' rows, outputs and gradients between this process and the groups: "
+          "float32 (exact) | bfloat16 (half the bytes, each crossing rounded; the experts "
+          "still compute in float32; --experts=inprocess makes the same roundings)");
 ABSL_FLAG(int, expert_threads, 1, "torch threads per spawned expert process");
 ABSL_FLAG(bool, blas_probe, true,
           "with BLIS and no BLIS_ARCH_TYPE set: time the kernel sets this CPU supports and keep "
@@ -218,6 +222,12 @@ absl::StatusOr<TrainerOptions> OptionsFromFlags() {
   o.eval_windows = absl::GetFlag(FLAGS_eval_windows);
   o.seed = absl::GetFlag(FLAGS_seed);
   o.experts_mode = absl::GetFlag(FLAGS_experts);
+  const std::string wire = absl::GetFlag(FLAGS_wire_dtype);
+  if (wire != "float32" && wire != "bfloat16") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--wire_dtype: expected float32 or bfloat16, got '", wire, "'"));
+  }
+  o.wire_dtype = wire == "bfloat16" ? c10::kBFloat16 : c10::kFloat;
   return o;
 }
 

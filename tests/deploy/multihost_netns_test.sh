@@ -28,73 +28,27 @@ skip() {
 [[ ${EUID} -eq 0 ]] || skip "network namespaces need root (running as uid ${EUID})"
 command -v ip >/dev/null || skip "iproute2's ip is not installed"
 
-id="himoe$$"
-switch="${id}-sw"
-coord="${id}-coord"
-hosts=()
-for ((g = 0; g < kGroups; ++g)); do hosts+=("${id}-h${g}"); done
+# shellcheck source=scripts/netns_hosts.sh
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/scripts/netns_hosts.sh"
 work="$(mktemp -d)"
-created=()
-
 cleanup() {
-  local ns pids
-  for ns in "${created[@]}"; do
-    pids="$(ip netns pids "${ns}" 2>/dev/null || true)"
-    [[ -n "${pids}" ]] && kill ${pids} 2>/dev/null || true
-  done
-  sleep 0.5
-  for ns in "${created[@]}"; do
-    pids="$(ip netns pids "${ns}" 2>/dev/null || true)"
-    [[ -n "${pids}" ]] && kill -9 ${pids} 2>/dev/null || true
-    ip netns del "${ns}" 2>/dev/null || true
-  done
+  netns_hosts_down
   rm -rf "${work}"
 }
 trap cleanup EXIT
 
-if ! ip netns add "${switch}" 2>"${work}/netns.err"; then
-  skip "cannot create a network namespace: $(cat "${work}/netns.err")"
-fi
-created+=("${switch}")
-
-# The switch: a bridge in a namespace of its own; one veth per host, created
-# there with its peer moved straight into the host's namespace as eth0.
-ip -n "${switch}" link set lo up
-ip -n "${switch}" link add br0 type bridge
-ip -n "${switch}" link set br0 up
-i=0
-for ns in "${coord}" "${hosts[@]}"; do
-  ip netns add "${ns}"
-  created+=("${ns}")
-  ip -n "${ns}" link set lo up
-  ip -n "${switch}" link add "port${i}" type veth peer name eth0 netns "${ns}"
-  ip -n "${switch}" link set "port${i}" master br0 up
-  ip -n "${ns}" addr add "${kSubnet}.$((10 + i))/24" dev eth0
-  ip -n "${ns}" link set eth0 up
-  i=$((i + 1))
-done
-coord_ip="${kSubnet}.10"
-host_ip() { echo "${kSubnet}.$((11 + $1))"; }
+netns_switch_up "himoe$$" "${kSubnet}" || skip "${NETNS_ERROR}"
+netns_hosts_add "${kGroups}"
+coord="${NETNS_COORD}"
+hosts=("${NETNS_HOSTS[@]}")
+coord_ip="${NETNS_COORD_IP}"
+host_ip() { netns_host_ip "$1"; }
 
 # Model: 2 MoE layers, d_model 32, N=8 experts in M=4 groups, seed 1.
 model_flags=(--num_groups=${kGroups} --num_experts=8 --num_layers=2 --d_model=32 --d_ff=64
   --seed=1)
-for ((g = 0; g < kGroups; ++g)); do
-  ip netns exec "${hosts[g]}" "${expert_bin}" --address="$(host_ip "${g}"):${kPort}" \
-    --group_id=${g} "${model_flags[@]}" --threads=1 --port_file="${work}/expert${g}.port" \
-    >"${work}/expert${g}.log" 2>&1 &
-done
-for ((t = 0; t < 600; ++t)); do
-  ready=0
-  for ((g = 0; g < kGroups; ++g)); do [[ -s "${work}/expert${g}.port" ]] && ready=$((ready + 1)); done
-  [[ ${ready} -eq ${kGroups} ]] && break
-  sleep 0.1
-done
-if [[ ${ready} -ne ${kGroups} ]]; then
-  tail -n 20 "${work}"/expert*.log
-  echo "FAIL: only ${ready} of ${kGroups} expert hosts came up" >&2
-  exit 1
-fi
+netns_experts_up "${expert_bin}" "${work}" "${kPort}" "${model_flags[@]}" --threads=1 ||
+  { echo "FAIL: ${NETNS_ERROR}" >&2; exit 1; }
 echo "experts serving on $(for ((g = 0; g < kGroups; ++g)); do echo -n "$(host_ip "${g}"):${kPort} "; done)"
 
 # The hosts are separate: the coordinator reaches each expert host's IP, not

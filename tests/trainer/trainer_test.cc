@@ -138,6 +138,58 @@ INSTANTIATE_TEST_SUITE_P(
              (info.param.second > 0 ? "_controller" : "");
     });
 
+// bf16 on the wire: the remote run rounds the rows, the outputs and both
+// gradients at each crossing, and equals the in-process run that makes the
+// same roundings (autograd's casts); both leave the float32 run by about
+// bf16's precision.
+TEST(RemoteTrainingTest, Bf16WireTrainsLikeInProcessWithTheSameRoundings) {
+  TrainerOptions f32 = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster cluster(f32);
+  TrainerOptions local = f32;
+  local.wire_dtype = at::kBFloat16;
+  const TrainerOptions remote = cluster.Remote(local);
+  auto a = Trainer::Create(local);
+  auto b = Trainer::Create(remote);
+  auto c = Trainer::Create(f32);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_EQ(RunConfigFor(remote, 0).training().wire_dtype(), "bfloat16");
+  EXPECT_EQ(RunConfigFor(f32, 0).training().wire_dtype(), "float32");
+  double largest_gap = 0;
+  for (int step = 0; step < 3; ++step) {
+    auto ra = (*a)->Step();
+    auto rb = (*b)->Step();
+    auto rc = (*c)->Step();
+    ASSERT_TRUE(ra.ok() && rb.ok() && rc.ok());
+    EXPECT_NEAR(ra->loss, rb->loss, 1e-4) << "step " << step + 1;
+    EXPECT_NEAR(ra->grad_norm, rb->grad_norm, 1e-4 * std::max(1.0, ra->grad_norm));
+    // bf16 keeps 8 bits: the rounded run stays within a few 2^-8 of float32's.
+    EXPECT_NEAR(rb->loss, rc->loss, 2e-2 * rc->loss) << "step " << step + 1;
+    largest_gap = std::max(largest_gap, std::abs(rb->loss - rc->loss));
+  }
+  EXPECT_GT(largest_gap, 0) << "the bf16 wire rounded nothing";
+  const auto pa = AllParameters(**a);
+  const auto pb = AllParameters(**b);
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& [name, ta] : pa) {
+    ASSERT_TRUE(pb.count(name)) << name;
+    EXPECT_LE((ta - pb.at(name)).abs().max().item<double>(), 1e-4) << name;
+  }
+  auto va = (*a)->Evaluate();
+  auto vb = (*b)->Evaluate();
+  ASSERT_TRUE(va.ok() && vb.ok());
+  EXPECT_NEAR(va->loss, vb->loss, 1e-4);
+}
+
+TEST(RemoteTrainingTest, ABadWireDtypeIsRefused) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  o.wire_dtype = at::kHalf;
+  const auto t = Trainer::Create(o);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(t.status().message()),
+              HasSubstr("wire dtype must be float32 or bfloat16, got Half"));
+}
+
 TEST(RemoteTrainingTest, AbortedStepFreesSavedStateAndStepIsIdempotent) {
   TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
   ExpertCluster cluster(o);
