@@ -3,7 +3,9 @@
 // k 1, expert width 512). It starts with the trainer's compute set-up (BLAS
 // kernels, 2 threads), whose summary line gives the machine's GEMM rate.
 // `scripts/bench.sh kernels` runs it and tabulates each loop's 2 / 1 thread
-// speed-up; a loop that does not use the second thread shows about 1.
+// speed-up (a loop that does not use the second thread shows about 1), and
+// a decoding step's expert product on cold weights, BLAS against the
+// small-rows loop.
 #include <cstdint>
 #include <iostream>
 #include <vector>
@@ -14,6 +16,7 @@
 
 #include "common/compute_setup.h"
 #include "common/gelu.h"
+#include "common/linear.h"
 #include "common/squared_norm.h"
 #include "model/attention.h"
 #include "router_service/dispatch_combine.h"
@@ -82,10 +85,40 @@ void BM_SquaredNorm(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * w.numel());
 }
 
+
+// A decoding step's expert product, x [R, 256] times a [1024, 256] weight
+// (an expert's first matrix), with the weight cold: 64 such weights (64 MiB,
+// more than the last-level cache) in turn, as 4 expert processes' 32 MiB of
+// weights are between one step's uses. range(0): rows; range(1): 0 BLAS
+// (at::addmm, as the experts call it), 1 the project's small-rows loop.
+void BM_ColdWeightLinear(benchmark::State& state) {
+  at::set_num_threads(1);
+  const int64_t rows = state.range(0);
+  std::vector<at::Tensor> weights;
+  for (int i = 0; i < 64; ++i) weights.push_back(at::randn({1024, 256}));
+  const at::Tensor bias = at::randn({1024}), x = at::randn({rows, 256});
+  at::Tensor out = at::empty({rows, 1024});
+  size_t next = 0;
+  for (auto _ : state) {
+    const at::Tensor& w = weights[next++ % weights.size()];
+    if (state.range(1) == 0) {
+      at::addmm_out(out, bias, x, w.t());
+    } else {
+      out = SmallRowsLinear(x, w, bias);
+    }
+    benchmark::DoNotOptimize(out.data_ptr<float>());
+  }
+  state.SetBytesProcessed(state.iterations() * 1024 * 256 * 4);
+}
+
 BENCHMARK(BM_Attention)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DispatchCombine)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Gelu)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SquaredNorm)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ColdWeightLinear)
+    ->ArgsProduct({{1, 4, 8}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace himoe
