@@ -419,9 +419,9 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
       const at::Tensor cpu_ids = ids[i].to(at::kCPU).contiguous();
       const std::vector<int64_t> experts(cpu_ids.data_ptr<int64_t>(),
                                          cpu_ids.data_ptr<int64_t>() + cpu_ids.numel());
-      HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(rows[i].detach().to(options_.wire_dtype).contiguous(),
-                                                     experts, 0, rows[i].size(0),
-                                                     r.mutable_inputs()));
+      HIMOE_RETURN_IF_ERROR(
+          expert::AppendExpertRuns(rows[i].detach().to(options_.wire_dtype).contiguous(),
+                                   experts, 0, rows[i].size(0), r.mutable_inputs()));
     }
   }
   {
