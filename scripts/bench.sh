@@ -120,12 +120,12 @@ cold = {}  # ColdWeightLinear: (rows, path) -> us
 # Registration order (the repetitions ran in random order).
 for b in sorted(runs["benchmarks"], key=lambda b: b.get("family_index", 0)):
     if b.get("aggregate_name") == "median":
-        name, arg = b["run_name"].split("/")[:2]
+        name, *args = b["run_name"].split("/")
         t = b["real_time"] * {"ms": 1, "us": 1e-3, "ns": 1e-6}[b["time_unit"]]
         if name == "BM_ColdWeightLinear":
-            cold[(int(arg), int(b["run_name"].split("/")[2]))] = t * 1e3
+            cold[(int(args[0]), int(args[1]))] = t * 1e3
         else:
-            ms[(name[3:], int(arg))] = t
+            ms[(name[3:], int(args[0]))] = t
 ctx = runs["context"]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 lines = [f"Measured {ctx['date'][:10]} on {cpu}, {ctx['num_cpus']} CPUs; medians of 5 repetitions.", "",
