@@ -15,18 +15,21 @@ namespace {
 extern "C" void IgnoreSignal(int) {}
 
 bool g_watch_children = false;
+bool g_hangup_ignored = false;  // inherited SIG_IGN (nohup)
 
 sigset_t WatchedSignals() {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGHUP);
+  if (!g_hangup_ignored) sigaddset(&set, SIGHUP);
   if (g_watch_children) sigaddset(&set, SIGCHLD);
   return set;
 }
 
-bool IsStopSignal(int sig) { return sig == SIGINT || sig == SIGTERM || sig == SIGHUP; }
+bool IsStopSignal(int sig) {
+  return sig == SIGINT || sig == SIGTERM || (sig == SIGHUP && !g_hangup_ignored);
+}
 
 void WriteAll(const char* text) {
   for (size_t left = strlen(text); left > 0;) {
@@ -52,12 +55,18 @@ extern "C" void PrintStackAndDie(int sig) {
 
 void BlockStopSignals(bool watch_children) {
   g_watch_children = watch_children;
-  // A no-op handler, so that an inherited SIG_IGN cannot swallow a stop
-  // signal; SIGCHLD keeps its default, so that children stay waitable.
+  struct sigaction hangup = {};
+  sigaction(SIGHUP, nullptr, &hangup);
+  g_hangup_ignored = hangup.sa_handler == SIG_IGN;
+  // A no-op handler, so that an inherited SIG_IGN cannot swallow SIGINT (a
+  // shell without job control starts background commands so) or SIGTERM;
+  // SIGCHLD keeps its default, so that children stay waitable.
   struct sigaction action = {};
   action.sa_handler = IgnoreSignal;
   sigemptyset(&action.sa_mask);
-  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &action, nullptr);
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    if (sig != SIGHUP || !g_hangup_ignored) sigaction(sig, &action, nullptr);
+  }
   if (watch_children) {
     action.sa_handler = SIG_DFL;
     sigaction(SIGCHLD, &action, nullptr);
@@ -80,7 +89,9 @@ int PendingStopSignal() {
   sigemptyset(&pending);
   if (sigpending(&pending) != 0) return 0;
   for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
-    if (sigismember(&pending, sig)) return WaitForStopSignal(std::chrono::milliseconds(0));
+    if (IsStopSignal(sig) && sigismember(&pending, sig)) {
+      return WaitForStopSignal(std::chrono::milliseconds(0));
+    }
   }
   return 0;
 }

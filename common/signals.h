@@ -9,7 +9,8 @@ namespace himoe {
 // calls BlockStopSignals() before any thread starts (gRPC's and torch's
 // threads inherit the mask), then polls WaitForStopSignal. With
 // `watch_children`, SIGCHLD is blocked too, so that a wait wakes up when a
-// child process ends (the launcher).
+// child process ends (the launcher). SIGINT and SIGTERM are taken even where
+// the process inherited them ignored; SIGHUP stays ignored then (nohup).
 void BlockStopSignals(bool watch_children = false);
 
 // Waits up to `timeout`; returns the stop signal that came, or 0 (timeout, or

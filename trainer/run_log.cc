@@ -180,6 +180,12 @@ void RunLog::OnMemory(int64_t coordinator, const std::vector<int64_t>& experts) 
   WriteLine(line.dump());
 }
 
+void RunLog::OnStop(int64_t step, const std::string& signal, const std::string& checkpoint) {
+  const Json line = {
+      {"kind", "stop"}, {"step", step}, {"signal", signal}, {"checkpoint", checkpoint}};
+  WriteLine(line.dump());
+}
+
 void RunLog::OnCompute(const ComputeSetup& c, double flops_per_token) {
   const Json line = {{"kind", "compute"},
                      {"threads", c.threads},

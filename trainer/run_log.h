@@ -17,7 +17,7 @@ namespace himoe::trainer {
 
 // What a person and a plot see of a run: one JSON object per line in
 // metrics.jsonl (kind "config" once per start, "train" per step, "eval" per
-// evaluation), a live
+// evaluation, "stop" when a signal stopped it), a live
 // progress line, and the final per-layer balance table.
 class RunLog {
  public:
@@ -40,6 +40,9 @@ class RunLog {
   // started, in bytes ("kind":"memory"; experts empty when none).
   void OnMemory(int64_t coordinator, const std::vector<int64_t>& experts);
   void OnEval(int64_t step, const EvalResult& eval);
+  // A run stopped by a signal after `step` ("kind":"stop"; `checkpoint` is
+  // the directory written on the way out, or empty).
+  void OnStop(int64_t step, const std::string& signal, const std::string& checkpoint);
   // "step 120/600 | loss 2.31 | val ppl 9.84 | CV 0.12 | top share 0.41 |
   // 5.3k tok/s | MFU 38% | ETA 1m12s" (MFU when the GEMM rate is known)
   std::string ProgressLine() const;

@@ -1,6 +1,7 @@
 // himoe-trainer: trains a Hi-MoE LM; dense parts and routers here, experts on
 // expert-group services (spawned locally, or listed in a cluster file) or in
 // this process.
+#include <string.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,7 +12,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <glog/logging.h>
@@ -133,7 +133,8 @@ ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "interface of the metrics end
 ABSL_FLAG(int, expert_metrics_port, -1,
           "with --experts=local: Prometheus /metrics of group g's process on 127.0.0.1:N+g "
           "(9465 = deploy/prometheus/prometheus.yml's targets); 0 picks ports; -1 = off");
-ABSL_FLAG(int64_t, checkpoint_every, 0, "checkpoint every N steps (and at the end); 0 = off");
+ABSL_FLAG(int64_t, checkpoint_every, 0,
+          "checkpoint every N steps (and at the end, and on SIGINT/SIGTERM/SIGHUP); 0 = off");
 ABSL_FLAG(int, keep_checkpoints, 3, "checkpoints kept (the newest)");
 ABSL_FLAG(bool, resume, false, "resume from the newest checkpoint in <out_dir>/checkpoints");
 ABSL_FLAG(std::string, on_group_failure, "",
@@ -330,6 +331,43 @@ absl::StatusOr<double> Evaluate(Trainer& trainer, int64_t step, RunLog& log,
   return val.loss;
 }
 
+// The stop signal (SIGINT, SIGTERM, SIGHUP) the run stopped on, or 0: the
+// trainer then exits 128 + it, as if the signal had killed it.
+int g_stop_signal = 0;
+
+std::string SignalName(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev != nullptr ? absl::StrCat("SIG", abbrev) : absl::StrCat("signal ", sig);
+}
+
+// A stop signal between steps: a checkpoint of the steps since the last one
+// (when --checkpoint_every is on), a "stop" line in metrics.jsonl, and
+// CANCELLED naming the signal and where to resume. The caller then stops the
+// expert processes it started, as at the end of a run.
+absl::Status StopOnSignal(int sig, Trainer& trainer, RunLog& log, const std::string& checkpoints,
+                          int64_t checkpointed_step) {
+  g_stop_signal = sig;
+  const int64_t step = trainer.step();
+  std::string saved;  // empty: no checkpoint to resume from
+  if (absl::GetFlag(FLAGS_checkpoint_every) > 0) {
+    if (step > checkpointed_step) {
+      HIMOE_RETURN_IF_ERROR(
+          SaveCheckpoint(trainer, checkpoints, absl::GetFlag(FLAGS_keep_checkpoints)));
+      saved = JoinPath(checkpoints, model::CheckpointDirName(step));
+    } else if (step > 0) {
+      saved = JoinPath(checkpoints, model::CheckpointDirName(step));
+    }
+  }
+  log.OnStop(step, SignalName(sig), saved);
+  std::string resume = absl::StrCat("; checkpoint ", saved, " (continue with --resume)");
+  if (saved.empty()) {
+    resume = absl::GetFlag(FLAGS_checkpoint_every) > 0 ? "; no checkpoint (no step taken)"
+                                                        : "; no checkpoint (--checkpoint_every 0)";
+  }
+  return absl::CancelledError(absl::StrCat("stopped by ", SignalName(sig), " after step ", step,
+                                           " of ", trainer.options().steps, resume));
+}
+
 // A step, evaluation or checkpoint that failed because a group went away or
 // did not answer in time: what --on_group_failure=wait_and_resume recovers.
 bool IsGroupFailure(const absl::Status& status) {
@@ -371,14 +409,19 @@ absl::Status WaitForGroups(const TrainerOptions& o, local::LocalExpertCluster* s
           absl::StrCat("--on_group_failure=wait_and_resume: the groups did not all serve again "
                        "within ", absl::GetFlag(FLAGS_group_wait_s), " s: ", down.message()));
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (const int sig = WaitForStopSignal(std::chrono::milliseconds(200)); sig != 0) {
+      g_stop_signal = sig;
+      return absl::CancelledError(
+          absl::StrCat("stopped by ", SignalName(sig), " while waiting for the expert groups"));
+    }
   }
   std::cerr << "every expert group serves again\n";
   return absl::OkStatus();
 }
 
 // Steps until options.steps, evaluating, checkpointing and reporting progress
-// on the way; returns the last validation loss.
+// on the way; returns the last validation loss. A stop signal is taken
+// between steps (StopOnSignal).
 absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
                                  TrainerMetrics* metrics, local::LocalExpertCluster* spawned,
                                  const std::string& checkpoints) {
@@ -388,7 +431,12 @@ absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
   constexpr int64_t kProfileWarmup = 3;
   std::unique_ptr<StepProfiler> profiler;
   int64_t profiled_steps = 0;
+  int64_t checkpointed_step = trainer.step();  // 0, or the checkpoint resumed from
   while (trainer.step() < o.steps) {
+    if (const int sig = PendingStopSignal(); sig != 0) {
+      if (tty) std::cerr << "\n";
+      return StopOnSignal(sig, trainer, log, checkpoints, checkpointed_step);
+    }
     if (spawned != nullptr) HIMOE_RETURN_IF_ERROR(spawned->CheckAlive());
     if (absl::GetFlag(FLAGS_profile) && profiler == nullptr &&
         (trainer.step() >= kProfileWarmup || o.steps <= kProfileWarmup)) {
@@ -410,6 +458,7 @@ absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
       const auto start = std::chrono::steady_clock::now();
       HIMOE_RETURN_IF_ERROR(
           SaveCheckpoint(trainer, checkpoints, absl::GetFlag(FLAGS_keep_checkpoints)));
+      checkpointed_step = r.step;
       LOG(INFO) << "checkpoint: " << JoinPath(checkpoints, model::CheckpointDirName(r.step))
                 << " written in "
                 << std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -593,8 +642,15 @@ int main(int argc, char** argv) {
       "[--data=PATHS] [--out_dir=DIR] [flags]");
   google::InitGoogleLogging(argv[0]);
   himoe::PrintStackOnCrash();
+  himoe::BlockStopSignals();  // before any thread starts: they inherit the mask
   FLAGS_logtostderr = true;
   const absl::Status status = himoe::trainer::Run();
+  if (himoe::trainer::g_stop_signal != 0) {  // stopped as asked, or failing on the way out
+    std::cerr << "\nhimoe-trainer: "
+              << (absl::IsCancelled(status) ? std::string(status.message()) : status.ToString())
+              << "\n";
+    return 128 + himoe::trainer::g_stop_signal;
+  }
   if (!status.ok()) {
     std::cerr << "himoe-trainer: " << status << "\n";
     return 1;

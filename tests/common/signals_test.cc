@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -41,6 +42,51 @@ TEST(PrintStackOnCrashTest, AnAbortPrintsTheStackAndStillDiesOfIt) {
   EXPECT_EQ(WTERMSIG(status), SIGABRT);
   EXPECT_THAT(out, HasSubstr("*** fatal signal Aborted; stack of the thread that got it:"));
   EXPECT_THAT(out, HasSubstr("(abort+"));
+}
+
+// Each case runs in a child (a death test), which reports what
+// PendingStopSignal took after the signals were raised.
+
+// A shell without job control starts background commands with SIGINT
+// ignored; the process still takes it.
+TEST(StopSignalsTest, AnInheritedIgnoredInterruptIsStillTaken) {
+  EXPECT_EXIT(
+      {
+        signal(SIGINT, SIG_IGN);
+        BlockStopSignals();
+        raise(SIGINT);
+        std::fprintf(stderr, "took %d", PendingStopSignal());
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "took 2$");
+}
+
+// Under nohup (SIGHUP inherited ignored) a hangup is not a stop; SIGTERM is.
+TEST(StopSignalsTest, AHangupStaysIgnoredUnderNohup) {
+  EXPECT_EXIT(
+      {
+        signal(SIGHUP, SIG_IGN);
+        BlockStopSignals();
+        raise(SIGHUP);
+        const int hangup = PendingStopSignal();
+        raise(SIGTERM);
+        std::fprintf(stderr, "took %d then %d", hangup, PendingStopSignal());
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "took 0 then 15$");
+}
+
+TEST(StopSignalsTest, AHangupStopsWhenNotIgnored) {
+  EXPECT_EXIT(
+      {
+        signal(SIGHUP, SIG_DFL);
+        BlockStopSignals();
+        raise(SIGHUP);
+        const int first = PendingStopSignal();
+        std::fprintf(stderr, "took %d then %d", first, PendingStopSignal());
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "took 1 then 0$");
 }
 
 }  // namespace
