@@ -413,6 +413,17 @@ def check_variant(objs, variant, stubs):
                 C.check(not (pr.get("grpc") or {}).get("service"),
                         f"{comp}: {probe} names a service; the servers report the overall "
                         "status (service \"\")")
+            if comp == ROUTER:
+                # Serving while the Service drops the endpoint (preStop), then
+                # up to 5 s of draining (RouterServer::Shutdown), within the grace.
+                pre = ((c.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}
+                cmd = pre.get("command") or []
+                grace = pod_spec(w).get("terminationGracePeriodSeconds", 30)
+                if C.check(len(cmd) == 2 and cmd[0] == "sleep" and cmd[1].isdigit(),
+                           f"{comp}: preStop runs {cmd}; expected [\"sleep\", N]"):
+                    C.check(1 <= int(cmd[1]) and int(cmd[1]) + 5 < grace,
+                            f"{comp}: preStop sleeps {cmd[1]} s, then 5 s of draining, "
+                            f"with a grace period of {grace} s")
         else:  # the trainer: no gRPC server, judged by its exit status
             C.check(w["kind"] == "Job", f"{comp}: a server without a gRPC port")
             for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
