@@ -126,6 +126,10 @@ absl::Status PrepareExec(const std::vector<std::string>& args, const std::string
   static const char kExecFailed[] = "himoe: exec failed: ";
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   if (getppid() != plan.parent) _exit(127);  // the parent died before prctl
+  // A process group of its own: a terminal's Ctrl-C (SIGINT to the
+  // foreground group) reaches the parent only, which stops its children when
+  // it is ready to (a trainer ends its step and checkpoints first).
+  setpgid(0, 0);
   dup2(plan.null_fd, STDIN_FILENO);
   dup2(plan.log_fd, STDOUT_FILENO);
   dup2(plan.log_fd, STDERR_FILENO);

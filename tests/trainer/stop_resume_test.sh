@@ -2,9 +2,13 @@
 # A stop signal between steps: himoe-trainer writes a checkpoint of the steps
 # since the last one, a "stop" line in metrics.jsonl, stops its expert
 # processes and exits 128 + the signal; --resume then ends with the weights of
-# an uninterrupted run. The trainer runs in the background of this
-# non-interactive shell, which starts it with SIGINT ignored: it must take
-# SIGINT anyway.
+# an uninterrupted run. Three ways a stop comes:
+# - a terminal's Ctrl-C, SIGINT to the whole foreground process group (job
+#   control gives the trainer a group of its own here): the expert processes
+#   must not take it, or the step in flight fails without them;
+# - SIGINT to the trainer alone, started without job control, which starts
+#   background commands with SIGINT ignored: the trainer must take it anyway;
+# - SIGTERM, as Kubernetes sends.
 set -euo pipefail
 trainer="${HIMOE_BUILD_DIR}/trainer/himoe-trainer"
 out="$(mktemp -d)"
@@ -18,19 +22,27 @@ flags=(--experts=local --n_layer 2 --d_model 32 --d_ff 64 --dense_ff 64 --n_head
        --block_size 32 --batch_size 4 --steps 60 --eval_every 20 --eval_windows 4
        --keep_checkpoints 10 --log_every 100 --blas_probe=false)
 
-# Starts the trainer in the background; signals it once step 6 is logged;
+# Starts the trainer in the background; once step 6 is logged sends `sig` to
+# it (`to` = pid) or to its process group (`to` = group, with job control on);
 # sets `status` to its exit status.
 run_and_signal() {
-  local sig="$1" dir="$2"
-  shift 2
+  local sig="$1" to="$2" dir="$3"
+  shift 3
+  [[ "${to}" == group ]] && set -m
   "${trainer}" "${flags[@]}" "$@" --out_dir "${dir}" 2>"${dir}.log" &
   pid=$!
+  set +m
   for _ in $(seq 1 600); do
     grep -q '"kind":"train","step":6,' "${dir}/metrics.jsonl" 2>/dev/null && break
     kill -0 "${pid}" 2>/dev/null || break
     sleep 0.05
   done
-  kill "-${sig}" "${pid}"
+  if [[ "${to}" == group ]]; then
+    test "$(ps -o pgid= -p "${pid}" | tr -d ' ')" = "${pid}"
+    kill "-${sig}" -- "-${pid}"
+  else
+    kill "-${sig}" "${pid}"
+  fi
   status=0
   wait "${pid}" || status=$?
   pid=""
@@ -41,8 +53,8 @@ run_and_signal() {
   fi
 }
 
-# SIGINT with checkpoints on: the checkpoint of the step it stopped after.
-run_and_signal INT "${out}/stopped" --checkpoint_every 25
+# Ctrl-C with checkpoints on: the checkpoint of the step it stopped after.
+run_and_signal INT group "${out}/stopped" --checkpoint_every 25
 test "${status}" -eq 130
 line="$(grep -o 'stopped by SIGINT after step [0-9]* of 60; checkpoint .*' "${out}/stopped.log")"
 stopped="$(sed 's/.*after step \([0-9]*\) of.*/\1/' <<<"${line}")"
@@ -69,10 +81,17 @@ done
 final_val() { grep -o 'validation: loss .*' "$1" | sed 's/.*-> \([0-9.]*\),.*/\1/'; }
 test "$(final_val "${out}/resumed.log")" = "$(final_val "${out}/plain.log")"
 
-# SIGTERM with checkpoints off: it stops and says there is nothing to resume.
-run_and_signal TERM "${out}/nocheckpoint"
-test "${status}" -eq 143
-grep -q 'stopped by SIGTERM after step [0-9]* of 60; no checkpoint (--checkpoint_every 0)' \
+# SIGINT inherited ignored, checkpoints off: it stops, saying there is
+# nothing to resume from.
+run_and_signal INT pid "${out}/nocheckpoint"
+test "${status}" -eq 130
+grep -q 'stopped by SIGINT after step [0-9]* of 60; no checkpoint (--checkpoint_every 0)' \
   "${out}/nocheckpoint.log"
-test ! -e "${out}/nocheckpoint/checkpoints/step_00000060"
+test ! -e "${out}/nocheckpoint/checkpoints"
+
+# SIGTERM: exit 143 and its checkpoint.
+run_and_signal TERM pid "${out}/terminated" --checkpoint_every 25
+test "${status}" -eq 143
+grep -q 'stopped by SIGTERM after step [0-9]* of 60; checkpoint .*/step_000000[0-9][0-9] (continue with --resume)' \
+  "${out}/terminated.log"
 echo "stop and resume test passed"
