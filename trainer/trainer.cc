@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/profile_scope.h"
 #include "common/squared_norm.h"
 #include "common/status_macros.h"
@@ -122,6 +123,32 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   return t;
 }
 
+namespace {
+
+// A non-finite loss or gradient (divergence, a bad batch) would write NaN into
+// every weight, and later checkpoints would push the good ones out: the step
+// fails before the optimizers run, naming what is not finite.
+absl::Status CheckFinite(const StepResult& r, double dense_norm2, double expert_norm2) {
+  if (std::isfinite(r.loss) && std::isfinite(r.grad_norm)) return absl::OkStatus();
+  std::string what;
+  if (!std::isfinite(r.loss)) {
+    what = absl::StrFormat(
+        "the loss is %g (task %g, load %g, intra %g, inter %g, z %g, balance %g)", r.loss, r.task,
+        r.load, r.intra, r.inter, r.z, r.balance);
+  }
+  if (!std::isfinite(r.grad_norm)) {
+    absl::StrAppend(&what, what.empty() ? "" : "; ",
+                    absl::StrFormat("the gradient norm is %g (dense parameters %g, expert "
+                                    "groups %g)",
+                                    r.grad_norm, std::sqrt(dense_norm2), std::sqrt(expert_norm2)));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "step ", r.step, ": ", what, "; no update applied, the weights are those after step ",
+      r.step - 1, " (lower --lr or --grad_clip, or check the data)"));
+}
+
+}  // namespace
+
 absl::StatusOr<StepResult> Trainer::Step() {
   const auto start = std::chrono::steady_clock::now();
   const uint64_t step = static_cast<uint64_t>(step_ + 1);
@@ -129,7 +156,21 @@ absl::StatusOr<StepResult> Trainer::Step() {
   r.step = step_ + 1;
   r.lr = CosineLearningRate(options_, step_);
   const double accum = options_.grad_accum;
-  absl::Status status = CatchTorchErrors([&]() -> absl::Status {
+  // Route() moves the routers' state in training (the EMA, the controller,
+  // loss_free's counts): a step that fails puts it back, so that it applies
+  // nothing (the batches it drew stay drawn).
+  std::vector<std::pair<at::Tensor, at::Tensor>> router_state;  // live, as it was
+  absl::Status status = CatchTorchErrors([&] {
+    for (const auto& b : model_->named_buffers()) {
+      router_state.emplace_back(b.value(), b.value().clone());
+    }
+    for (int m = 0; m < model_->num_moe_layers(); ++m) {
+      const at::Tensor& counts = model_->router(m).pending_counts();
+      router_state.emplace_back(counts, counts.clone());
+    }
+    return absl::OkStatus();
+  });
+  if (status.ok()) status = CatchTorchErrors([&]() -> absl::Status {
     model_->train();
     optimizer_->zero_grad();
     for (int mb = 0; mb < options_.grad_accum; ++mb) {
@@ -161,6 +202,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
     }
     HIMOE_ASSIGN_OR_RETURN(const double expert_norm2, experts_->GradNormSquared());
     r.grad_norm = std::sqrt(norm2 + expert_norm2);
+    HIMOE_RETURN_IF_ERROR(CheckFinite(r, norm2, expert_norm2));
     const double scale = options_.grad_clip > 0 && r.grad_norm > options_.grad_clip
                              ? options_.grad_clip / (r.grad_norm + 1e-6)
                              : 1.0;
@@ -186,6 +228,11 @@ absl::StatusOr<StepResult> Trainer::Step() {
   if (!status.ok()) {
     // Free whatever the services saved for this step; keep the first error.
     experts_->Abort(step).IgnoreError();
+    CatchTorchErrors([&] {
+      at::NoGradGuard no_grad;
+      for (auto& [live, saved] : router_state) live.copy_(saved);
+      return absl::OkStatus();
+    }).IgnoreError();
     return status;
   }
   ++step_;

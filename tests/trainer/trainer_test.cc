@@ -180,6 +180,65 @@ TEST(RemoteTrainingTest, Bf16WireTrainsLikeInProcessWithTheSameRoundings) {
   EXPECT_NEAR(va->loss, vb->loss, 1e-4);
 }
 
+// A NaN weight makes the loss and every gradient NaN: the step fails naming
+// them, before either optimizer runs, and a step after the weight is mended
+// trains from where the failed one started (the experts' NaN gradients were
+// dropped with it).
+TEST(TrainerTest, ANonFiniteLossFailsTheStepAndAppliesNothing) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE((*t)->Step().ok());
+  const std::string poisoned = "wte.weight";
+  at::Tensor embedding;
+  for (const auto& p : (*t)->model().named_parameters()) {
+    if (p.key() == poisoned) embedding = p.value();
+  }
+  ASSERT_TRUE(embedding.defined()) << "no parameter " << poisoned;
+  const at::Tensor good = embedding.detach().clone();
+  {
+    at::NoGradGuard no_grad;
+    embedding.fill_(std::nan(""));
+  }
+  const auto before = AllParameters(**t);
+  auto failed = (*t)->Step();
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(failed.status().message(), HasSubstr("step 2: the loss is nan (task nan"));
+  EXPECT_THAT(failed.status().message(), HasSubstr("the gradient norm is nan"));
+  EXPECT_THAT(failed.status().message(),
+              HasSubstr("no update applied, the weights are those after step 1"));
+  EXPECT_EQ((*t)->step(), 1);
+  const auto after = AllParameters(**t);
+  ASSERT_EQ(before.size(), after.size());
+  for (const auto& [name, tensor] : before) {
+    if (name == poisoned) continue;  // NaN != NaN
+    EXPECT_TRUE(at::equal(tensor, after.at(name))) << name << " changed";
+  }
+  {
+    at::NoGradGuard no_grad;
+    embedding.copy_(good);
+  }
+  auto mended = (*t)->Step();
+  ASSERT_TRUE(mended.ok()) << mended.status();
+  EXPECT_EQ(mended->step, 2);
+  // The same run without the failure: step 1, the failed step's batches
+  // drawn and dropped, step 2.
+  auto plain = Trainer::Create(o);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ASSERT_TRUE((*plain)->Step().ok());
+  for (int mb = 0; mb < o.grad_accum; ++mb) (*plain)->sampler().Next();
+  auto expected = (*plain)->Step();
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  EXPECT_EQ(mended->loss, expected->loss);
+  EXPECT_EQ(mended->grad_norm, expected->grad_norm);
+  const auto want = AllParameters(**plain);
+  for (const auto& [name, tensor] : AllParameters(**t)) {
+    EXPECT_TRUE(at::equal(tensor, want.at(name)))
+        << name << " differs from the run without the failure";
+  }
+}
+
 TEST(RemoteTrainingTest, ABadWireDtypeIsRefused) {
   TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
   o.wire_dtype = at::kHalf;
