@@ -59,6 +59,27 @@ absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* out) {
   });
 }
 
+absl::Status EncodeTensorShared(const at::Tensor& tensor, SharedMemoryRegion& region,
+                                uint64_t offset, v1::Tensor* out) {
+  if (!tensor.defined()) return absl::InvalidArgumentError("tensor: undefined");
+  HIMOE_ASSIGN_OR_RETURN(const v1::DType dtype, DTypeToProto(tensor.scalar_type()));
+  return CatchTorchErrors([&]() -> absl::Status {
+    const at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
+    const uint64_t bytes = cpu.nbytes();
+    HIMOE_ASSIGN_OR_RETURN(uint8_t* const to, region.Slice(offset, bytes, "tensor.shared"));
+    if (bytes > 0) std::memcpy(to, cpu.data_ptr(), bytes);
+    out->set_dtype(dtype);
+    out->clear_shape();
+    for (const int64_t s : cpu.sizes()) out->add_shape(s);
+    out->clear_data();
+    v1::SharedMemorySlice* slice = out->mutable_shared();
+    slice->set_region(region.name());
+    slice->set_offset(offset);
+    slice->set_byte_size(bytes);
+    return absl::OkStatus();
+  });
+}
+
 namespace {
 
 struct Layout {
@@ -96,6 +117,15 @@ absl::StatusOr<Layout> CheckLayout(const v1::Tensor& proto, absl::string_view fi
         field, ".shape [", absl::StrJoin(shape, ","),
         "]: the byte count overflows int64"));
   }
+  if (proto.has_shared()) {
+    if (!proto.data().empty() || proto.shared().byte_size() != static_cast<uint64_t>(layout.bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".shared.byte_size is ", proto.shared().byte_size(), " with ",
+          proto.data().size(), " bytes of data; shape [", absl::StrJoin(shape, ","), "] of ",
+          c10::toString(layout.type), " needs ", layout.bytes, " and no data"));
+    }
+    return layout;
+  }
   if (static_cast<int64_t>(proto.data().size()) != layout.bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ".data has ", proto.data().size(), " bytes; shape [",
@@ -110,6 +140,10 @@ absl::StatusOr<Layout> CheckLayout(const v1::Tensor& proto, absl::string_view fi
 absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto,
                                         absl::string_view field) {
   HIMOE_ASSIGN_OR_RETURN(const Layout layout, CheckLayout(proto, field));
+  if (proto.has_shared()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".shared: a shared-memory slice where bytes were expected"));
+  }
   at::Tensor out;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     out = at::empty(layout.shape, at::TensorOptions().dtype(layout.type));
@@ -119,8 +153,29 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto,
   return out;
 }
 
-absl::StatusOr<at::Tensor> TakeTensor(v1::Tensor* proto, absl::string_view field) {
+absl::StatusOr<at::Tensor> TakeTensor(v1::Tensor* proto, absl::string_view field,
+                                      SharedMemoryLookup* shared) {
   HIMOE_ASSIGN_OR_RETURN(const Layout layout, CheckLayout(*proto, field));
+  if (proto->has_shared()) {
+    const std::string slice_field = absl::StrCat(field, ".shared");
+    if (shared == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          slice_field, ": this end takes no shared memory (an expert service takes it when "
+          "started with --shared_memory)"));
+    }
+    HIMOE_ASSIGN_OR_RETURN(std::shared_ptr<SharedMemoryRegion> region,
+                           shared->Find(proto->shared().region(), slice_field));
+    HIMOE_ASSIGN_OR_RETURN(uint8_t* const bytes,
+                           region->Slice(proto->shared().offset(), layout.bytes, slice_field));
+    at::Tensor out;
+    HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+      out = at::from_blob(
+          bytes, layout.shape, [region](void*) mutable { region.reset(); },
+          at::TensorOptions().dtype(layout.type));
+      return absl::OkStatus();
+    }));
+    return out;
+  }
   const auto address = reinterpret_cast<uintptr_t>(proto->data().data());
   // Small payloads live inside the string object (no heap buffer to take).
   constexpr int64_t kMinTakenBytes = 256;

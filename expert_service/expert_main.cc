@@ -61,6 +61,10 @@ ABSL_FLAG(int64_t, max_tokens, 65536, "max rows in one Forward request");
 ABSL_FLAG(bool, defer_weight_grads, true,
           "answer Backward with the rows' gradient, then compute the weight gradients "
           "(before the next Backward or Step); false: inside Backward");
+ABSL_FLAG(bool, shared_memory, false,
+          "take rows in, and write outputs to, POSIX shared memory that a client on this "
+          "host names (trusted clients only; himoe-trainer --experts=local turns it on for the "
+          "groups it starts)");
 ABSL_FLAG(double, saved_state_ttl_s, 300,
           "seconds a Forward saved for Backward is kept before it is dropped");
 ABSL_FLAG(std::string, state_file, "",
@@ -110,6 +114,7 @@ absl::StatusOr<ExpertServerOptions> OptionsFromFlags() {
   HIMOE_ASSIGN_OR_RETURN(core.device, ParseDevice(absl::GetFlag(FLAGS_device)));
   core.max_tokens_per_request = absl::GetFlag(FLAGS_max_tokens);
   core.defer_weight_grads = absl::GetFlag(FLAGS_defer_weight_grads);
+  core.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   if (const double ttl = absl::GetFlag(FLAGS_saved_state_ttl_s); ttl >= 0) {
     core.saved_state_ttl = absl::Seconds(ttl);
   } else {

@@ -21,8 +21,10 @@ bool IsFloatingWireType(c10::ScalarType type) {
 // One entry's rows: a floating [n, d_model] tensor (n = expected_rows if >= 0),
 // all finite.
 absl::StatusOr<at::Tensor> DecodeRows(v1::ExpertRows* entry, const std::string& field,
-                                      int64_t d_model, int64_t expected_rows) {
-  HIMOE_ASSIGN_OR_RETURN(at::Tensor x, TakeTensor(entry->mutable_rows(), field + ".rows"));
+                                      int64_t d_model, int64_t expected_rows,
+                                      SharedMemoryLookup* shared) {
+  HIMOE_ASSIGN_OR_RETURN(at::Tensor x,
+                         TakeTensor(entry->mutable_rows(), field + ".rows", shared));
   if (!IsFloatingWireType(x.scalar_type())) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ".rows.dtype: ", c10::toString(x.scalar_type()),
@@ -55,26 +57,55 @@ std::string ShapeString(at::IntArrayRef shape) {
 
 absl::StatusOr<std::vector<at::Tensor>> DecodeRequestRows(
     ExpertRowsList* entries, absl::string_view name, int64_t d_model,
-    const ExpertIdCheck& check_id, absl::Span<const int64_t> expected_rows) {
+    const ExpertIdCheck& check_id, absl::Span<const int64_t> expected_rows,
+    SharedMemoryLookup* shared) {
   std::vector<at::Tensor> rows(entries->size());
   for (int i = 0; i < entries->size(); ++i) {
     v1::ExpertRows* entry = entries->Mutable(i);
     const std::string field = absl::StrCat(name, "[", i, "]");
     HIMOE_RETURN_IF_ERROR(check_id(i, field, entry->expert_id()));
     const int64_t n = i < static_cast<int>(expected_rows.size()) ? expected_rows[i] : -1;
-    HIMOE_ASSIGN_OR_RETURN(rows[i], DecodeRows(entry, field, d_model, n));
+    HIMOE_ASSIGN_OR_RETURN(rows[i], DecodeRows(entry, field, d_model, n, shared));
   }
   return rows;
 }
 
+absl::StatusOr<OutputSink> OutputSink::Create(const v1::SharedMemorySlice* slice,
+                                              SharedMemoryLookup* shared,
+                                              absl::string_view field) {
+  OutputSink sink;
+  if (slice == nullptr || shared == nullptr) return sink;
+  HIMOE_ASSIGN_OR_RETURN(sink.region_, shared->Find(slice->region(), field));
+  HIMOE_RETURN_IF_ERROR(
+      sink.region_->Slice(slice->offset(), slice->byte_size(), field).status());
+  sink.next_ = slice->offset();
+  sink.end_ = slice->offset() + slice->byte_size();
+  return sink;
+}
+
+absl::Status OutputSink::Encode(const at::Tensor& tensor, v1::Tensor* out) {
+  const uint64_t bytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
+  if (region_ == nullptr || next_ > end_ || bytes > end_ - next_) return EncodeTensor(tensor, out);
+  HIMOE_RETURN_IF_ERROR(EncodeTensorShared(tensor, *region_, next_, out));
+  next_ = AlignSharedOffset(next_ + bytes);
+  return absl::OkStatus();
+}
+
 absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>& experts,
-                              int64_t begin, int64_t end, ExpertRowsList* out) {
+                              int64_t begin, int64_t end, ExpertRowsList* out,
+                              SharedMemoryRegion* region, uint64_t* offset) {
   int64_t run = begin;
   for (int64_t i = begin + 1; i <= end; ++i) {
     if (i < end && experts[i] == experts[run]) continue;
     v1::ExpertRows* er = out->Add();
     er->set_expert_id(static_cast<int32_t>(experts[run]));
-    HIMOE_RETURN_IF_ERROR(EncodeTensor(rows.slice(0, run, i), er->mutable_rows()));
+    const at::Tensor part = rows.slice(0, run, i);
+    if (region != nullptr) {
+      HIMOE_RETURN_IF_ERROR(EncodeTensorShared(part, *region, *offset, er->mutable_rows()));
+      *offset = AlignSharedOffset(*offset + part.nbytes());
+    } else {
+      HIMOE_RETURN_IF_ERROR(EncodeTensor(part, er->mutable_rows()));
+    }
     run = i;
   }
   return absl::OkStatus();
@@ -82,14 +113,18 @@ absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>
 
 absl::StatusOr<at::Tensor> ConcatExpertRows(ExpertRowsList* parts,
                                             const ExpertRowsList& expected, int64_t d_model,
-                                            absl::string_view what) {
+                                            absl::string_view what,
+                                            SharedMemoryLookup* shared) {
   if (parts->size() != expected.size()) {
     return absl::InternalError(absl::StrCat(what, ": ", parts->size(), " row blocks for ",
                                             expected.size(), " sent"));
   }
   std::vector<at::Tensor> pieces;
+  bool aliased = false;  // a piece lies in shared memory the next call writes
   for (int i = 0; i < parts->size(); ++i) {
-    HIMOE_ASSIGN_OR_RETURN(at::Tensor y, TakeTensor(parts->Mutable(i)->mutable_rows(), what));
+    aliased = aliased || parts->Get(i).rows().has_shared();
+    HIMOE_ASSIGN_OR_RETURN(at::Tensor y,
+                           TakeTensor(parts->Mutable(i)->mutable_rows(), what, shared));
     if (y.dim() != 2 || y.size(0) != expected.Get(i).rows().shape(0) || y.size(1) != d_model) {
       return absl::InternalError(absl::StrCat(what, ": block ", i, " has the wrong shape"));
     }
@@ -101,6 +136,10 @@ absl::StatusOr<at::Tensor> ConcatExpertRows(ExpertRowsList* parts,
       out = at::zeros({0, d_model});
     } else {
       out = (pieces.size() == 1 ? pieces[0] : at::cat(pieces)).to(at::kFloat);
+      // One float32 piece comes back as itself.
+      if (aliased && pieces.size() == 1 && out.scalar_type() == pieces[0].scalar_type()) {
+        out = out.clone();
+      }
     }
     return absl::OkStatus();
   }));

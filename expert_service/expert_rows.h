@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/shared_memory.h"
 #include "himoe/v1/expert.pb.h"
 
 namespace himoe::expert {
@@ -33,21 +34,45 @@ using ExpertIdCheck =
 // expected_rows[i] when given, any n otherwise) and finite values. Errors are
 // InvalidArgument naming the field ("inputs[1].rows contains NaN or Inf").
 // Takes the entries' bytes (TakeTensor): the tensors own them, no copy.
+// Rows in shared memory are found through `shared` (null: refused) and
+// alias it; the caller copies them before the call is answered.
 absl::StatusOr<std::vector<at::Tensor>> DecodeRequestRows(
     ExpertRowsList* entries, absl::string_view name, int64_t d_model,
-    const ExpertIdCheck& check_id, absl::Span<const int64_t> expected_rows = {});
+    const ExpertIdCheck& check_id, absl::Span<const int64_t> expected_rows = {},
+    SharedMemoryLookup* shared = nullptr);
+
+// Server side: where a call's outputs go. With the request's output_slice
+// and shared memory on, each output goes at the slice's next aligned offset
+// while it fits, and inline after that; inline without either.
+class OutputSink {
+ public:
+  // `slice` null, or `shared` null: inline. Errors name `field`.
+  static absl::StatusOr<OutputSink> Create(const v1::SharedMemorySlice* slice,
+                                           SharedMemoryLookup* shared, absl::string_view field);
+  absl::Status Encode(const at::Tensor& tensor, v1::Tensor* out);
+
+ private:
+  std::shared_ptr<SharedMemoryRegion> region_;
+  uint64_t next_ = 0;
+  uint64_t end_ = 0;
+};
 
 // Client side. Appends rows [begin, end) of a group's expert-sorted rows to
 // `out`, one ExpertRows per run of equal expert ids (`experts` is on the CPU).
+// With `region`, the bytes go into it from *offset on (each run at an
+// aligned offset; *offset ends past the last), and gRPC carries references.
 absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>& experts,
-                              int64_t begin, int64_t end, ExpertRowsList* out);
+                              int64_t begin, int64_t end, ExpertRowsList* out,
+                              SharedMemoryRegion* region = nullptr, uint64_t* offset = nullptr);
 
 // Client side. Concatenates the rows of `parts` into one [n, d_model] float32
 // tensor, checking that part i has as many rows as `expected[i]`. Takes the
-// parts' bytes (TakeTensor): a single float32 part is returned without a copy.
+// parts' bytes (TakeTensor): a single float32 inline part is returned without
+// a copy. Parts in shared memory are found through `shared` and copied out.
 absl::StatusOr<at::Tensor> ConcatExpertRows(ExpertRowsList* parts,
                                             const ExpertRowsList& expected, int64_t d_model,
-                                            absl::string_view what);
+                                            absl::string_view what,
+                                            SharedMemoryLookup* shared = nullptr);
 
 }  // namespace himoe::expert
 

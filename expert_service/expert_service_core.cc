@@ -41,8 +41,15 @@ absl::StatusOr<std::unique_ptr<ExpertServiceCore>> ExpertServiceCore::Create(
     HIMOE_ASSIGN_OR_RETURN(auto group, ExpertGroup::Create(o.shape, o.group_id, layer, o.device));
     groups.push_back(std::move(group));
   }
+  if (o.max_shared_regions < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_shared_regions: ", o.max_shared_regions, "; expected >= 1"));
+  }
   std::unique_ptr<ExpertServiceCore> core(new ExpertServiceCore(o, groups[0]->dtype()));
   core->groups_ = std::move(groups);
+  if (o.shared_memory) {
+    core->shared_ = std::make_unique<SharedMemoryAttachments>(o.max_shared_regions);
+  }
   std::vector<ExpertGroup*> optimized;
   for (const auto& group : core->groups_) {
     for (const auto& [name, tensor] : group->named_parameters()) {
@@ -158,7 +165,8 @@ absl::Status ExpertServiceCore::ForwardImpl(v1::ExpertForwardRequest* request_pt
   response->Clear();
   saved_.SweepExpired();
   for (const v1::ExpertRows& in : request.inputs()) {
-    bytes_in_.fetch_add(static_cast<int64_t>(in.rows().data().size()),
+    bytes_in_.fetch_add(static_cast<int64_t>(in.rows().data().size() +
+                                             in.rows().shared().byte_size()),
                         std::memory_order_relaxed);
   }
   HIMOE_RETURN_IF_ERROR(CheckForwardRequest(request));
@@ -173,7 +181,8 @@ absl::Status ExpertServiceCore::ForwardImpl(v1::ExpertForwardRequest* request_pt
                               field, ".expert_id: ", id, " is outside group ",
                               options_.group_id, "; expected an expert id in [", first,
                               ", ", end, ")"));
-                        }));
+                        },
+                        {}, shared_.get()));
   int64_t total_rows = 0;
   for (const at::Tensor& x : rows) total_rows += x.size(0);
   if (total_rows == 0) {
@@ -194,7 +203,8 @@ absl::Status ExpertServiceCore::ForwardImpl(v1::ExpertForwardRequest* request_pt
     const int local = request.inputs(i).expert_id() - first;
     tokens_[request.layer() * experts_per_group_ + local].fetch_add(
         rows[i].size(0), std::memory_order_relaxed);
-    out_bytes += static_cast<int64_t>(response->outputs(i).rows().data().size());
+    const v1::Tensor& out = response->outputs(i).rows();
+    out_bytes += static_cast<int64_t>(out.data().size() + out.shared().byte_size());
   }
   bytes_out_.fetch_add(out_bytes, std::memory_order_relaxed);
   return absl::OkStatus();
@@ -241,13 +251,18 @@ absl::Status ExpertServiceCore::ComputeForward(const v1::ExpertForwardRequest& r
         saved->rows.push_back(rows[i].size(0));
       }
     }
+    HIMOE_ASSIGN_OR_RETURN(
+        OutputSink sink,
+        OutputSink::Create(request.has_output_slice() ? &request.output_slice() : nullptr,
+                           shared_.get(), "output_slice"));
     int64_t offset = 0;
     for (int i = 0; i < n_inputs; ++i) {
       const int64_t n = rows[i].size(0);
       v1::ExpertRows* out = response->add_outputs();
       out->set_expert_id(request.inputs(i).expert_id());
-      HIMOE_RETURN_IF_ERROR(EncodeTensor(
-          y.detach().narrow(0, offset, n).to(rows[i].scalar_type()), out->mutable_rows()));
+      HIMOE_RETURN_IF_ERROR(
+          sink.Encode(y.detach().narrow(0, offset, n).to(rows[i].scalar_type()),
+                      out->mutable_rows()));
       offset += n;
     }
     return absl::OkStatus();
@@ -299,14 +314,18 @@ absl::Status ExpertServiceCore::BackwardImpl(const SavedKey& key, SavedForward& 
                 absl::StrCat(field, ".expert_id: ", id, "; expected ", saved.expert_ids[i],
                              " (outputs[", i, "] of the saved Forward)"));
           },
-          saved.rows));
+          saved.rows, shared_.get()));
   HIMOE_ASSIGN_OR_RETURN(const at::Tensor input_grad, RunBackward(key, saved, grads));
+  HIMOE_ASSIGN_OR_RETURN(
+      OutputSink sink,
+      OutputSink::Create(request->has_output_slice() ? &request->output_slice() : nullptr,
+                         shared_.get(), "output_slice"));
   return CatchTorchErrors([&]() -> absl::Status {
     int64_t offset = 0;
     for (int i = 0; i < n; ++i) {
       v1::ExpertRows* out = response->add_input_grads();
       out->set_expert_id(saved.expert_ids[i]);
-      HIMOE_RETURN_IF_ERROR(EncodeTensor(
+      HIMOE_RETURN_IF_ERROR(sink.Encode(
           input_grad.narrow(0, offset, saved.rows[i]).to(grads[i].scalar_type()),
           out->mutable_rows()));
       offset += saved.rows[i];

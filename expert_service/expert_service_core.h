@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/named_tensor.h"
+#include "common/shared_memory.h"
 #include "expert_service/expert_group.h"
 #include "expert_service/expert_optimizer.h"
 #include "expert_service/saved_forward_store.h"
@@ -46,6 +47,12 @@ struct ExpertServiceOptions {
   // then runs them, so the weight-gradient products overlap the caller's
   // next work. Off: computed inside Backward.
   bool defer_weight_grads = true;
+  // Take rows in, and write outputs to, POSIX shared memory a client on this
+  // host names (Tensor.shared, output_slice): for trusted clients only (a
+  // trainer and the groups it started); off, such rows are refused and
+  // outputs come inline. At most max_shared_regions stay open.
+  bool shared_memory = false;
+  int max_shared_regions = 8;
 };
 
 struct ExpertServiceInfo {
@@ -214,6 +221,7 @@ class ExpertServiceCore {
   std::unique_ptr<std::atomic<int64_t>[]> tokens_;  // [layer * S + s]
   std::atomic<int64_t> forward_requests_{0};
   std::atomic<int64_t> forward_failures_{0};
+  std::unique_ptr<SharedMemoryAttachments> shared_;  // null: shared memory off
   std::atomic<int64_t> bytes_in_{0};
   std::atomic<int64_t> bytes_out_{0};
   std::atomic<int64_t> in_flight_{0};

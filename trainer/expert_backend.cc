@@ -166,6 +166,26 @@ struct RemoteCall {
   std::vector<v1::ExpertForwardRequest> requests;  // row data dropped after sending
 };
 
+// A group's shared-memory region, reused by one call after another: a call
+// leases it for its request and answer, and one that fails drops it (a
+// late answer may still write there), so the next call makes a new one.
+struct GroupMemory {
+  std::shared_ptr<SharedMemoryRegion> region;
+  bool leased = false;
+};
+
+// The bytes a call's request and answer take in a region: each run of
+// equal expert ids at an aligned offset, the answer after the request.
+uint64_t SharedBytesFor(const std::vector<int64_t>& experts, int64_t row_bytes) {
+  uint64_t bytes = 0;
+  for (size_t begin = 0, i = 1; i <= experts.size(); ++i) {
+    if (i < experts.size() && experts[i] == experts[begin]) continue;
+    bytes = AlignSharedOffset(bytes + (i - begin) * row_bytes);
+    begin = i;
+  }
+  return 2 * bytes;
+}
+
 class RemoteBackend final : public ExpertBackend {
  public:
   static absl::StatusOr<std::unique_ptr<ExpertBackend>> Create(const ExpertBackendOptions& o) {
@@ -301,8 +321,44 @@ class RemoteBackend final : public ExpertBackend {
     return call;
   }
 
+  // Group `group`'s region with room for `bytes`, leased to the caller
+  // (made or grown here), or null: shared memory is off, the region is
+  // leased already, or none can be made (then shared memory goes off).
+  std::shared_ptr<SharedMemoryRegion> LeaseRegion(int group, uint64_t bytes) {
+    if (!options_.shared_memory) return nullptr;
+    std::lock_guard<std::mutex> lock(memory_mu_);
+    if (shared_memory_failed_) return nullptr;
+    GroupMemory& m = memory_[group];
+    if (m.leased) return nullptr;
+    if (m.region == nullptr || m.region->size() < bytes) {
+      // Whole MiB, and twice the last size, so a growing batch remaps rarely.
+      constexpr uint64_t kMiB = 1 << 20;
+      const uint64_t size = std::max<uint64_t>((bytes + kMiB - 1) / kMiB * kMiB,
+                                         m.region == nullptr ? 0 : 2 * m.region->size());
+      m.region.reset();
+      auto made = SharedMemoryRegion::Create(absl::StrCat("g", group), size);
+      if (!made.ok()) {
+        LOG(WARNING) << "expert group " << group << ": no shared memory (" << made.status()
+                     << "); the rows go in the gRPC messages from now on";
+        shared_memory_failed_ = true;
+        return nullptr;
+      }
+      m.region = std::move(*made);
+    }
+    m.leased = true;
+    return m.region;
+  }
+  // Ends the lease; `ok` false drops the region (a late answer may write it).
+  void ReturnRegion(int group, bool ok) {
+    std::lock_guard<std::mutex> lock(memory_mu_);
+    GroupMemory& m = memory_[group];
+    m.leased = false;
+    if (!ok) m.region.reset();
+  }
+
  private:
-  explicit RemoteBackend(const ExpertBackendOptions& o) : options_(o) {}
+  explicit RemoteBackend(const ExpertBackendOptions& o)
+      : options_(o), memory_(o.shape.num_groups()) {}
 
   // Every group's Step call at once; the first error wins.
   absl::Status SendSteps(const std::vector<v1::ExpertStepRequest>& requests,
@@ -326,6 +382,9 @@ class RemoteBackend final : public ExpertBackend {
 
   ExpertBackendOptions options_;
   std::vector<std::unique_ptr<expert::ExpertGroupClient>> clients_;
+  std::mutex memory_mu_;
+  std::vector<GroupMemory> memory_;
+  bool shared_memory_failed_ = false;
   std::atomic<uint64_t> next_request_id_{1};
   std::mutex mu_;
   uint64_t next_handle_ = 1;
@@ -400,12 +459,42 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::Forward(
   return by_group;
 }
 
+// The regions a call's groups leased; returned when it goes, dropped unless
+// the call succeeded.
+class Leases {
+ public:
+  Leases(RemoteBackend* backend, const std::vector<int>& groups)
+      : backend_(backend), groups_(groups), regions_(groups.size()) {}
+  ~Leases() {
+    for (size_t i = 0; i < groups_.size(); ++i) {
+      if (regions_[i] != nullptr) backend_->ReturnRegion(groups_[i], ok_);
+    }
+  }
+  std::shared_ptr<SharedMemoryRegion>& operator[](size_t i) { return regions_[i]; }
+  void Succeeded() { ok_ = true; }
+
+ private:
+  RemoteBackend* backend_;
+  const std::vector<int>& groups_;
+  std::vector<std::shared_ptr<SharedMemoryRegion>> regions_;
+  bool ok_ = false;
+};
+
+// The answer's slice: the region past the request's bytes.
+void SetOutputSlice(const SharedMemoryRegion& region, uint64_t request_end,
+                    v1::SharedMemorySlice* slice) {
+  slice->set_region(region.name());
+  slice->set_offset(request_end);
+  slice->set_byte_size(region.size() - request_end);
+}
+
 absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
     RemoteCall& call, const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& ids,
     bool save) {
   const size_t n = call.groups.size();
   call.requests.assign(n, v1::ExpertForwardRequest());
   std::vector<v1::ExpertForwardResponse> responses(n);
+  Leases leases(this, call.groups);
   {
     HIMOE_PROFILE_SCOPE("expert RPC: encode");
     for (size_t i = 0; i < n; ++i) {
@@ -419,9 +508,14 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
       const at::Tensor cpu_ids = ids[i].to(at::kCPU).contiguous();
       const std::vector<int64_t> experts(cpu_ids.data_ptr<int64_t>(),
                                          cpu_ids.data_ptr<int64_t>() + cpu_ids.numel());
-      HIMOE_RETURN_IF_ERROR(
-          expert::AppendExpertRuns(rows[i].detach().to(options_.wire_dtype).contiguous(),
-                                   experts, 0, rows[i].size(0), r.mutable_inputs()));
+      const at::Tensor wire = rows[i].detach().to(options_.wire_dtype).contiguous();
+      const int64_t row_bytes = wire.size(1) * wire.element_size();
+      leases[i] = LeaseRegion(call.groups[i], SharedBytesFor(experts, row_bytes));
+      uint64_t offset = 0;
+      HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(wire, experts, 0, rows[i].size(0),
+                                                     r.mutable_inputs(), leases[i].get(),
+                                                     &offset));
+      if (leases[i] != nullptr) SetOutputSlice(*leases[i], offset, r.mutable_output_slice());
     }
   }
   {
@@ -435,14 +529,20 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
   HIMOE_PROFILE_SCOPE("expert RPC: decode");
   std::vector<at::Tensor> outputs;
   for (size_t i = 0; i < n; ++i) {
+    OwnSharedMemory own(leases[i]);
     HIMOE_ASSIGN_OR_RETURN(at::Tensor y, expert::ConcatExpertRows(
                                              responses[i].mutable_outputs(), call.requests[i].inputs(),
                                              d_model(),
-                                             absl::StrCat("expert group ", call.groups[i])));
+                                             absl::StrCat("expert group ", call.groups[i]), &own));
     outputs.push_back(std::move(y));  // float32, whatever the wire's dtype
     // Backward needs only the run structure: drop the row bytes.
-    for (auto& in : *call.requests[i].mutable_inputs()) in.mutable_rows()->clear_data();
+    for (auto& in : *call.requests[i].mutable_inputs()) {
+      in.mutable_rows()->clear_data();
+      in.mutable_rows()->clear_shared();
+    }
+    call.requests[i].clear_output_slice();
   }
+  leases.Succeeded();
   return outputs;
 }
 
@@ -451,8 +551,10 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
   const size_t n = call.groups.size();
   std::vector<v1::ExpertBackwardRequest> requests(n);
   std::vector<v1::ExpertBackwardResponse> responses(n);
+  Leases leases(this, call.groups);
   {
     HIMOE_PROFILE_SCOPE("expert RPC: encode");
+    const int64_t row_bytes = d_model() * c10::elementSize(options_.wire_dtype);
     for (size_t i = 0; i < n; ++i) {
       const v1::ExpertForwardRequest& f = call.requests[i];
       v1::ExpertBackwardRequest& r = requests[i];
@@ -463,6 +565,12 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
       r.set_run_id(f.run_id());
       const at::Tensor g = grads[i].defined() ? grads[i].to(options_.wire_dtype).contiguous()
                                               : at::Tensor();
+      std::vector<int64_t> run_experts;  // one id per row, for SharedBytesFor
+      for (const v1::ExpertRows& in : f.inputs()) {
+        run_experts.insert(run_experts.end(), in.rows().shape(0), in.expert_id());
+      }
+      leases[i] = LeaseRegion(call.groups[i], SharedBytesFor(run_experts, row_bytes));
+      uint64_t offset = 0;
       int64_t row = 0;
       for (const v1::ExpertRows& in : f.inputs()) {
         const int64_t rows = in.rows().shape(0);
@@ -470,9 +578,15 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
         out->set_expert_id(in.expert_id());
         const at::Tensor part = g.defined() ? g.slice(0, row, row + rows)
                                             : at::zeros({rows, d_model()}, options_.wire_dtype);
-        HIMOE_RETURN_IF_ERROR(EncodeTensor(part, out->mutable_rows()));
+        if (leases[i] != nullptr) {
+          HIMOE_RETURN_IF_ERROR(EncodeTensorShared(part, *leases[i], offset, out->mutable_rows()));
+          offset = AlignSharedOffset(offset + part.nbytes());
+        } else {
+          HIMOE_RETURN_IF_ERROR(EncodeTensor(part, out->mutable_rows()));
+        }
         row += rows;
       }
+      if (leases[i] != nullptr) SetOutputSlice(*leases[i], offset, r.mutable_output_slice());
     }
   }
   {
@@ -486,13 +600,16 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
   HIMOE_PROFILE_SCOPE("expert RPC: decode");
   std::vector<at::Tensor> input_grads;
   for (size_t i = 0; i < n; ++i) {
+    OwnSharedMemory own(leases[i]);
     HIMOE_ASSIGN_OR_RETURN(at::Tensor g, expert::ConcatExpertRows(
                                              responses[i].mutable_input_grads(),
                                              call.requests[i].inputs(), d_model(),
                                              absl::StrCat("expert group ", call.groups[i],
-                                                          " grads")));
+                                                          " grads"),
+                                             &own));
     input_grads.push_back(std::move(g));  // float32, whatever the wire's dtype
   }
+  leases.Succeeded();
   return input_grads;
 }
 

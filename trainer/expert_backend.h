@@ -71,6 +71,11 @@ struct ExpertBackendOptions {
   // and the experts still compute in float32). In process the same roundings
   // are made, so a bf16 run there is the remote run's reference.
   c10::ScalarType wire_dtype = c10::kFloat;
+  // Remote only: the rows, outputs and gradients go through POSIX shared
+  // memory (one region per group, reused call after call) and gRPC carries
+  // references. Every group must run on this host with --shared_memory.
+  // Where a region cannot be made, the bytes go in the messages.
+  bool shared_memory = false;
   // Remote only: called with (group, RPC name, seconds) after every
   // Forward/Backward/Step call, from gRPC threads.
   std::function<void(int, const std::string&, double)> on_rpc;

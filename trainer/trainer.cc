@@ -98,6 +98,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   bo.addresses = o.expert_addresses;
   bo.tls = o.tls;
   bo.wire_dtype = o.wire_dtype;
+  bo.shared_memory = o.shared_memory;
   bo.on_rpc = o.on_rpc;
   if (opts.run_id.empty()) opts.run_id = NewRunId();
   bo.run_id = opts.run_id;

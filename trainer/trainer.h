@@ -40,6 +40,9 @@ struct TrainerOptions {
   // The experts' rows, outputs and gradients on the wire (kFloat or
   // kBFloat16; see ExpertBackendOptions::wire_dtype).
   c10::ScalarType wire_dtype = c10::kFloat;
+  // Remote experts on this host: tensors through shared memory (see
+  // ExpertBackendOptions::shared_memory).
+  bool shared_memory = false;
   // Remote experts: (group, RPC, seconds) of every call, from gRPC threads.
   std::function<void(int, const std::string&, double)> on_rpc;
 

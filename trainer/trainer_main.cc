@@ -110,6 +110,9 @@ ABSL_FLAG(std::string, wire_dtype, "float32",
           "the experts' rows, outputs and gradients between this process and the groups: "
           "float32 (exact) | bfloat16 (half the bytes, each crossing rounded; the experts "
           "still compute in float32; --experts=inprocess makes the same roundings)");
+ABSL_FLAG(bool, shared_memory, true,
+          "with --experts=local: the rows, outputs and gradients go through POSIX shared "
+          "memory (/dev/shm; gRPC carries references); false: inside the gRPC messages");
 ABSL_FLAG(int, expert_threads, 1, "torch threads per spawned expert process");
 ABSL_FLAG(bool, blas_probe, true,
           "with BLIS and no BLIS_ARCH_TYPE set: time the kernel sets this CPU supports and keep "
@@ -246,7 +249,9 @@ absl::StatusOr<std::unique_ptr<local::LocalExpertCluster>> StartLocalExperts(
   e.log_dir = absl::StrCat(out_dir, "/experts");
   e.metrics_port_base = absl::GetFlag(FLAGS_expert_metrics_port);
   e.tls = TlsFromFlags();
+  e.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   o->tls = e.tls;
+  o->shared_memory = e.shared_memory;
   HIMOE_ASSIGN_OR_RETURN(auto spawned, local::LocalExpertCluster::Start(e));
   o->remote_experts = true;
   o->expert_addresses = spawned->addresses();

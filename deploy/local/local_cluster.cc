@@ -50,6 +50,7 @@ std::vector<std::string> ExpertCommandLine(const std::string& binary,
     argv.push_back(absl::StrCat("--init=", WeightInitName(s.init())));
     argv.push_back(absl::StrCat("--n_layer=", s.n_layer()));
   }
+  if (options.shared_memory) argv.push_back("--shared_memory");
   if (options.tls.enabled()) {
     argv.push_back(absl::StrCat("--tls_ca=", options.tls.ca_file));
     argv.push_back(absl::StrCat("--tls_cert=", options.tls.cert_file));

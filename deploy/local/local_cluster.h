@@ -28,6 +28,10 @@ struct ExpertProcessOptions {
   // Mutual TLS of every group's port (--tls_ca/--tls_cert/--tls_key); the
   // readiness probes dial with it too. Empty = plaintext.
   TlsFiles tls;
+  // --shared_memory: the groups take tensors through POSIX shared memory
+  // from clients on this host that send them that way (himoe-trainer's own
+  // groups; not himoe-cluster's, whose clients are not known).
+  bool shared_memory = false;
 };
 
 // M himoe-expert processes on 127.0.0.1 (ports picked by the services),

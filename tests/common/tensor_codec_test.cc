@@ -323,3 +323,52 @@ INSTANTIATE_TEST_SUITE_P(
 
 }  // namespace
 }  // namespace himoe
+
+namespace himoe {
+namespace {
+
+// Tensor.shared: the bytes in a region, the message only naming them.
+TEST(TensorCodecSharedTest, SharedSlicesRoundTripAndAreCheckedLikeBytes) {
+  auto made = SharedMemoryRegion::Create("codec", 4096);
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::shared_ptr<SharedMemoryRegion> region = std::move(*made);
+  OwnSharedMemory own(region);
+  const at::Tensor t = at::arange(12, at::kFloat).view({3, 4}) * 0.5;
+  v1::Tensor proto;
+  ASSERT_TRUE(EncodeTensorShared(t, *region, 128, &proto).ok());
+  EXPECT_TRUE(proto.data().empty());
+  EXPECT_EQ(proto.shared().region(), region->name());
+  EXPECT_EQ(proto.shared().offset(), 128u);
+  EXPECT_EQ(proto.shared().byte_size(), 48u);
+  float* in_region = reinterpret_cast<float*>(*region->Slice(128, 48, "x"));
+  EXPECT_EQ(in_region[5], 2.5f);
+
+  v1::Tensor taken = proto;
+  auto back = TakeTensor(&taken, "y", &own);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(at::equal(*back, t));
+  EXPECT_EQ(back->data_ptr<float>(), in_region);  // aliases the region
+  in_region[0] = 7;
+  EXPECT_EQ((*back)[0][0].item<float>(), 7);
+
+  v1::Tensor no_lookup = proto;
+  EXPECT_EQ(TakeTensor(&no_lookup, "y").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(DecodeTensor(proto, "z").status().message(),
+              HasSubstr("z.shared: a shared-memory slice where bytes were expected"));
+  v1::Tensor both = proto;
+  both.set_data(std::string(48, '\0'));
+  EXPECT_THAT(TakeTensor(&both, "w", &own).status().message(),
+              HasSubstr("w.shared.byte_size is 48 with 48 bytes of data"));
+  v1::Tensor short_slice = proto;
+  short_slice.mutable_shared()->set_byte_size(44);
+  EXPECT_EQ(TakeTensor(&short_slice, "w", &own).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  v1::Tensor outside = proto;
+  outside.mutable_shared()->set_offset(4096);
+  EXPECT_THAT(TakeTensor(&outside, "w", &own).status().message(), HasSubstr("lie outside"));
+  EXPECT_FALSE(EncodeTensorShared(t, *region, 4096, &proto).ok());
+  EXPECT_FALSE(EncodeTensorShared(t, *region, 96, &proto).ok());  // not a multiple of 64
+}
+
+}  // namespace
+}  // namespace himoe

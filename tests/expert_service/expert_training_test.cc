@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -22,10 +23,12 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/optim/adamw.h>
 
+#include "common/shared_memory.h"
 #include "common/tensor_codec.h"
 #include "expert_service/expert_group.h"
 #include "expert_service/expert_grpc_service.h"
 #include "expert_service/expert_optimizer.h"
+#include "expert_service/expert_rows.h"
 #include "expert_service/expert_service_core.h"
 #include "expert_service/state_stream.h"
 #include "himoe/v1/expert.grpc.pb.h"
@@ -501,6 +504,144 @@ TEST(ExpertTrainingCoreTest, TheServedFormsTakeTheRowBytes) {
   for (int i = 0; i < 2; ++i) {
     EXPECT_LE(MaxAbsDiff(Decode(backward.input_grads(i).rows()), want[i]), 1e-6) << i;
   }
+}
+
+// Rows in shared memory (Tensor.shared) with an output_slice: the answers
+// land in the region, bit for bit the inline path's. The saved Forward
+// holds its own copy of the rows: the region written over between Forward
+// and Backward (the client's next call) changes no gradient.
+TEST(ExpertTrainingCoreTest, SharedMemoryRowsTrainLikeInlineRows) {
+  ExpertServiceOptions o = CoreOptions();
+  o.shared_memory = true;
+  auto shared_core = ExpertServiceCore::Create(o);
+  ASSERT_TRUE(shared_core.ok()) << shared_core.status();
+  auto inline_core = MakeCore();
+  const Key key{/*step=*/1, /*micro_batch=*/0, /*layer=*/1, /*request_id=*/7};
+  const Inputs inputs = RandomInputs({{2, 5}, {3, 4}});
+  const std::vector<at::Tensor> grads = RandomGrads(inputs);
+  auto made = SharedMemoryRegion::Create("test", 1 << 16);
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::shared_ptr<SharedMemoryRegion> region = std::move(*made);
+  OwnSharedMemory own(region);
+  // Moves each entry's rows into the region; the answer's slice after them.
+  auto to_shared = [&](ExpertRowsList* entries, v1::SharedMemorySlice* output_slice) {
+    uint64_t offset = 0;
+    for (v1::ExpertRows& e : *entries) {
+      const at::Tensor rows = Decode(e.rows());
+      ASSERT_TRUE(EncodeTensorShared(rows, *region, offset, e.mutable_rows()).ok());
+      EXPECT_TRUE(e.rows().data().empty());
+      offset = AlignSharedOffset(offset + rows.nbytes());
+    }
+    output_slice->set_region(region->name());
+    output_slice->set_offset(offset);
+    output_slice->set_byte_size(region->size() - offset);
+  };
+  auto decoded = [&](v1::Tensor proto) {
+    EXPECT_TRUE(proto.has_shared());
+    auto t = TakeTensor(&proto, "answer", &own);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? t->clone() : at::Tensor();
+  };
+
+  v1::ExpertForwardRequest forward = ForwardRequest(key, inputs);
+  to_shared(forward.mutable_inputs(), forward.mutable_output_slice());
+  v1::ExpertForwardResponse shared_y, inline_y;
+  ASSERT_TRUE((*shared_core)->Forward(&forward, &shared_y).ok());
+  ASSERT_TRUE(inline_core->Forward(ForwardRequest(key, inputs), &inline_y).ok());
+  ASSERT_EQ(shared_y.outputs_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_TRUE(at::equal(decoded(shared_y.outputs(i).rows()), Decode(inline_y.outputs(i).rows())))
+        << i;
+  }
+  // The next call's bytes (NaN) over the whole region.
+  std::memset(*region->Slice(0, region->size(), "all"), 0xff, region->size());
+
+  v1::ExpertBackwardRequest backward = BackwardRequest(key, inputs, grads);
+  to_shared(backward.mutable_output_grads(), backward.mutable_output_slice());
+  v1::ExpertBackwardResponse shared_dx, inline_dx;
+  ASSERT_TRUE((*shared_core)->Backward(&backward, &shared_dx).ok());
+  ASSERT_TRUE(inline_core->Backward(BackwardRequest(key, inputs, grads), &inline_dx).ok());
+  ASSERT_EQ(shared_dx.input_grads_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_TRUE(
+        at::equal(decoded(shared_dx.input_grads(i).rows()), Decode(inline_dx.input_grads(i).rows())))
+        << i;
+  }
+  std::memset(*region->Slice(0, region->size(), "all"), 0xff, region->size());
+  ASSERT_TRUE((*shared_core)->RunPendingWeightGrads().ok());
+  ASSERT_TRUE(inline_core->RunPendingWeightGrads().ok());
+  const auto got = (*shared_core)->group(1)->named_parameters();
+  const auto want = inline_core->group(1)->named_parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(want[i].second.grad().defined()) << want[i].first;
+    EXPECT_TRUE(at::equal(got[i].second.grad(), want[i].second.grad())) << got[i].first;
+  }
+  // A slice too small for an answer: that answer comes inline.
+  v1::ExpertForwardRequest small = ForwardRequest(Key{2, 0, 0, 8}, inputs, /*save=*/false);
+  to_shared(small.mutable_inputs(), small.mutable_output_slice());
+  small.mutable_output_slice()->set_byte_size(5 * kD * sizeof(float));  // outputs[0] only
+  v1::ExpertForwardResponse mixed;
+  ASSERT_TRUE((*shared_core)->Forward(&small, &mixed).ok());
+  EXPECT_TRUE(mixed.outputs(0).rows().has_shared());
+  EXPECT_FALSE(mixed.outputs(1).rows().has_shared());
+  EXPECT_EQ(Decode(mixed.outputs(1).rows()).size(0), 4);
+}
+
+// What a shared-memory request may not do; the core answers the next call.
+TEST(ExpertTrainingCoreTest, BadSharedMemoryRequestsAreRefusedNamingTheField) {
+  auto made = SharedMemoryRegion::Create("test", 4096);
+  ASSERT_TRUE(made.ok()) << made.status();
+  const Inputs inputs = RandomInputs({{2, 3}});
+  auto request = [&](uint64_t offset, const std::string& name) {
+    v1::ExpertForwardRequest r = ForwardRequest(Key{1, 0, 0, 1}, inputs, /*save=*/false);
+    v1::Tensor* rows = r.mutable_inputs(0)->mutable_rows();
+    rows->clear_data();
+    rows->mutable_shared()->set_region(name);
+    rows->mutable_shared()->set_offset(offset);
+    rows->mutable_shared()->set_byte_size(3 * kD * sizeof(float));
+    return r;
+  };
+  const std::string name = (*made)->name();
+  v1::ExpertForwardResponse response;
+  // A service without --shared_memory.
+  v1::ExpertForwardRequest r = request(0, name);
+  absl::Status s = MakeCore()->Forward(&r, &response);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("inputs[0].rows.shared"));
+  EXPECT_THAT(s.message(), HasSubstr("--shared_memory"));
+
+  ExpertServiceOptions o = CoreOptions();
+  o.shared_memory = true;
+  auto core = ExpertServiceCore::Create(o);
+  ASSERT_TRUE(core.ok()) << core.status();
+  struct Case {
+    v1::ExpertForwardRequest request;
+    absl::StatusCode code;
+    std::string message;
+  };
+  std::vector<Case> cases = {
+      {request(0, "/himoe-not-here"), absl::StatusCode::kFailedPrecondition, "on this host"},
+      {request(0, "/etc/passwd"), absl::StatusCode::kInvalidArgument,
+       "inputs[0].rows.shared.region: '/etc/passwd' is not a himoe shared-memory name"},
+      {request(4096 - 64, name), absl::StatusCode::kInvalidArgument, "lie outside region"},
+      {request(8, name), absl::StatusCode::kInvalidArgument, "is not a multiple of 64"},
+  };
+  cases.push_back({request(0, name), absl::StatusCode::kInvalidArgument, "needs 96 and no data"});
+  cases.back().request.mutable_inputs(0)->mutable_rows()->mutable_shared()->set_byte_size(64);
+  cases.push_back({request(0, name), absl::StatusCode::kInvalidArgument, "output_slice"});
+  cases.back().request.mutable_output_slice()->set_region(name);
+  cases.back().request.mutable_output_slice()->set_offset(128);
+  cases.back().request.mutable_output_slice()->set_byte_size(4096);
+  for (Case& c : cases) {
+    s = (*core)->Forward(&c.request, &response);
+    EXPECT_EQ(s.code(), c.code) << s;
+    EXPECT_THAT(s.message(), HasSubstr(c.message));
+  }
+  v1::ExpertForwardRequest good = request(0, name);
+  std::memset(*(*made)->Slice(0, 96, "rows"), 0, 96);
+  ASSERT_TRUE((*core)->Forward(&good, &response).ok());
+  EXPECT_EQ(Decode(response.outputs(0).rows()).size(0), 3);
 }
 
 TEST(ExpertTrainingCoreTest, Bf16OutputGradsGiveBf16InputGrads) {

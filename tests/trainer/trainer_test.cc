@@ -2,8 +2,9 @@
 // over real gRPC equals training with them in-process, step by step.
 #include "trainer/trainer.h"
 
+#include <unistd.h>
+
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -16,6 +17,8 @@
 #include <ATen/ATen.h>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/torch_runtime.h"
 #include "model/model_config.h"
 #include "tests/trainer/trainer_test_util.h"
@@ -237,6 +240,67 @@ TEST(TrainerTest, ANonFiniteLossFailsTheStepAndAppliesNothing) {
     EXPECT_TRUE(at::equal(tensor, want.at(name)))
         << name << " differs from the run without the failure";
   }
+}
+
+// The rows, outputs and gradients through shared memory: the same bits as
+// through the gRPC messages, step after step. The regions (one per group,
+// named after this process) live as long as the trainer.
+TEST(RemoteTrainingTest, SharedMemoryTrainsBitForBitLikeMessages) {
+  const TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster shared_cluster(o, /*shared_memory=*/true);
+  ExpertCluster message_cluster(o);
+  TrainerOptions shared = shared_cluster.Remote(o);
+  shared.shared_memory = true;
+  const std::string prefix = absl::StrCat("himoe-", getpid(), "-");
+  auto regions = [&prefix] {
+    const auto names = ListDirectory("/dev/shm");
+    EXPECT_TRUE(names.ok()) << names.status();
+    int n = 0;
+    for (const std::string& name : names.value_or(std::vector<std::string>{})) {
+      n += name.rfind(prefix, 0) == 0;
+    }
+    return n;
+  };
+  const int before = regions();
+  {
+    auto a = Trainer::Create(shared);
+    auto b = Trainer::Create(message_cluster.Remote(o));
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (int step = 0; step < 3; ++step) {
+      auto ra = (*a)->Step();
+      auto rb = (*b)->Step();
+      ASSERT_TRUE(ra.ok()) << ra.status();
+      ASSERT_TRUE(rb.ok()) << rb.status();
+      EXPECT_EQ(ra->loss, rb->loss) << "step " << step + 1;
+      EXPECT_EQ(ra->grad_norm, rb->grad_norm) << "step " << step + 1;
+    }
+    EXPECT_EQ(regions(), before + o.model.routing.num_groups);
+    const auto pa = AllParameters(**a);
+    const auto pb = AllParameters(**b);
+    ASSERT_EQ(pa.size(), pb.size());
+    for (const auto& [name, ta] : pa) {
+      ASSERT_TRUE(pb.count(name)) << name;
+      EXPECT_TRUE(at::equal(ta, pb.at(name))) << name;
+    }
+    auto va = (*a)->Evaluate();
+    auto vb = (*b)->Evaluate();
+    ASSERT_TRUE(va.ok() && vb.ok());
+    EXPECT_EQ(va->loss, vb->loss);
+  }
+  EXPECT_EQ(regions(), before);
+}
+
+TEST(RemoteTrainingTest, SharedMemoryToServicesWithoutItFailsNamingTheFlag) {
+  const TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster cluster(o);
+  TrainerOptions shared = cluster.Remote(o);
+  shared.shared_memory = true;
+  auto t = Trainer::Create(shared);
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto step = (*t)->Step();
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kFailedPrecondition) << step.status();
+  EXPECT_THAT(step.status().message(), HasSubstr("--shared_memory"));
 }
 
 TEST(RemoteTrainingTest, ABadWireDtypeIsRefused) {

@@ -59,15 +59,16 @@ inline std::string WriteCorpus(const TempDir& dir) {
 }
 
 // One in-process himoe-expert gRPC server per group of `o`'s model, on
-// 127.0.0.1:0, stopped on destruction.
+// 127.0.0.1:0, stopped on destruction; taking shared memory when asked.
 class ExpertCluster {
  public:
-  explicit ExpertCluster(const TrainerOptions& o) {
+  explicit ExpertCluster(const TrainerOptions& o, bool shared_memory = false) {
     for (int g = 0; g < o.model.routing.num_groups; ++g) {
       expert::ExpertServerOptions s;
       s.address = "127.0.0.1:0";
       s.core.shape = model::ExpertShapeFor(o.model);
       s.core.group_id = g;
+      s.core.shared_memory = shared_memory;
       auto server = expert::ExpertServer::Start(s);
       EXPECT_TRUE(server.ok()) << server.status();
       if (!server.ok()) continue;

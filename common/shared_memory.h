@@ -1,0 +1,102 @@
+#ifndef HIMOE_COMMON_SHARED_MEMORY_H_
+#define HIMOE_COMMON_SHARED_MEMORY_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace himoe {
+
+// Offsets in a region are multiples of this (any dtype's alignment, and a
+// cache line).
+inline constexpr uint64_t kSharedMemoryAlignment = 64;
+
+inline uint64_t AlignSharedOffset(uint64_t offset) {
+  return (offset + kSharedMemoryAlignment - 1) / kSharedMemoryAlignment *
+         kSharedMemoryAlignment;
+}
+
+// "/himoe-" then 1-57 letters, digits, '.', '_' or '-'; InvalidArgument
+// naming `field` otherwise.
+absl::Status CheckSharedMemoryName(absl::string_view name, absl::string_view field);
+
+// A POSIX shared-memory object (shm_open), mapped read-write. The process
+// that creates one unlinks its name when the region goes; a process that
+// opens one only unmaps it.
+class SharedMemoryRegion {
+ public:
+  // A new object of `bytes` bytes, named "/himoe-<pid>-<random>-<tag>"
+  // (tag: letters, digits, '.', '_' or '-').
+  static absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> Create(absl::string_view tag,
+                                                                    uint64_t bytes);
+  // The existing object `name`, whole. NotFound when this host has none of
+  // that name (the client runs elsewhere).
+  static absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> Open(const std::string& name);
+
+  SharedMemoryRegion(const SharedMemoryRegion&) = delete;
+  SharedMemoryRegion& operator=(const SharedMemoryRegion&) = delete;
+  ~SharedMemoryRegion();
+
+  const std::string& name() const { return name_; }
+  uint64_t size() const { return size_; }
+  // [offset, offset + bytes): InvalidArgument naming `field` unless offset is
+  // a multiple of kSharedMemoryAlignment and the range lies inside.
+  absl::StatusOr<uint8_t*> Slice(uint64_t offset, uint64_t bytes, absl::string_view field) const;
+
+ private:
+  SharedMemoryRegion(std::string name, uint8_t* base, uint64_t size, bool owner)
+      : name_(std::move(name)), base_(base), size_(size), owner_(owner) {}
+
+  std::string name_;
+  uint8_t* base_;
+  uint64_t size_;
+  bool owner_;
+};
+
+// Finds the region a message names.
+class SharedMemoryLookup {
+ public:
+  virtual ~SharedMemoryLookup() = default;
+  // Errors name `field`.
+  virtual absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> Find(const std::string& name,
+                                                                   absl::string_view field) = 0;
+};
+
+// A service's regions: opened on first use and kept open (at most
+// `capacity`; the least recently used is closed first, once no call holds it).
+class SharedMemoryAttachments final : public SharedMemoryLookup {
+ public:
+  explicit SharedMemoryAttachments(size_t capacity) : capacity_(capacity < 1 ? 1 : capacity) {}
+  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> Find(const std::string& name,
+                                                           absl::string_view field) override;
+  size_t open_regions() const;
+
+ private:
+  size_t capacity_;
+  mutable std::mutex mu_;
+  std::list<std::shared_ptr<SharedMemoryRegion>> regions_;  // most recent first
+};
+
+// One region the caller created, and nothing else.
+class OwnSharedMemory final : public SharedMemoryLookup {
+ public:
+  explicit OwnSharedMemory(std::shared_ptr<SharedMemoryRegion> region)
+      : region_(std::move(region)) {}
+  absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> Find(const std::string& name,
+                                                           absl::string_view field) override;
+
+ private:
+  std::shared_ptr<SharedMemoryRegion> region_;
+};
+
+}  // namespace himoe
+
+#endif  // HIMOE_COMMON_SHARED_MEMORY_H_

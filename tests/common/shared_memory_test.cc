@@ -1,0 +1,147 @@
+#include "common/shared_memory.h"
+
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/file_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace himoe {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+TEST(SharedMemoryTest, AnOpenedRegionSeesTheCreatorsBytesAndTheirsItsOwn) {
+  auto owner = SharedMemoryRegion::Create("t", 4096);
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  EXPECT_THAT((*owner)->name(), StartsWith(absl::StrCat("/himoe-", getpid(), "-")));
+  EXPECT_EQ((*owner)->size(), 4096u);
+  auto peer = SharedMemoryRegion::Open((*owner)->name());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  EXPECT_EQ((*peer)->size(), 4096u);
+
+  uint8_t* a = *(*owner)->Slice(128, 64, "a");
+  uint8_t* b = *(*peer)->Slice(128, 64, "b");
+  EXPECT_NE(a, b);  // two mappings of one object
+  std::memset(a, 0x5a, 64);
+  EXPECT_EQ(b[0], 0x5a);
+  EXPECT_EQ(b[63], 0x5a);
+  b[10] = 7;
+  EXPECT_EQ(a[10], 7);
+}
+
+TEST(SharedMemoryTest, TheCreatorUnlinksTheNameAndAnOpenerKeepsItsMapping) {
+  auto owner = SharedMemoryRegion::Create("t", 4096);
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  const std::string name = (*owner)->name();
+  auto peer = SharedMemoryRegion::Open(name);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  std::memset(*(*owner)->Slice(0, 64, "a"), 3, 64);
+  owner->reset();
+  auto again = SharedMemoryRegion::Open(name);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kNotFound) << again.status();
+  EXPECT_EQ((*(*peer)->Slice(0, 64, "b"))[5], 3);
+  // An opener going leaves nothing behind either (no name of its own).
+  peer->reset();
+  EXPECT_EQ(access(absl::StrCat("/dev/shm", name).c_str(), F_OK), -1);
+}
+
+// A region larger than /dev/shm is an error when it is made (its pages are
+// taken then), not a SIGBUS at the first write, and leaves no name behind.
+TEST(SharedMemoryTest, ARegionThatDoesNotFitIsRefusedWhenMade) {
+  struct statvfs fs;
+  ASSERT_EQ(statvfs("/dev/shm", &fs), 0);
+  if (fs.f_blocks == 0) GTEST_SKIP() << "/dev/shm has no size limit here";
+  const uint64_t too_big = static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize + (uint64_t{1} << 30);
+  const auto made = SharedMemoryRegion::Create("big", too_big);
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kUnavailable) << made.status();
+  EXPECT_THAT(made.status().message(), HasSubstr("allocating"));
+  const std::string prefix = absl::StrCat("himoe-", getpid(), "-");
+  const auto names = ListDirectory("/dev/shm");
+  ASSERT_TRUE(names.ok()) << names.status();
+  for (const std::string& name : *names) EXPECT_NE(name.rfind(prefix, 0), 0u) << name;
+}
+
+TEST(SharedMemoryTest, SlicesOutsideTheRegionOrMisalignedAreRefusedNamingTheField) {
+  auto region = SharedMemoryRegion::Create("t", 4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  EXPECT_TRUE((*region)->Slice(4032, 64, "x").ok());
+  EXPECT_TRUE((*region)->Slice(4096, 0, "x").ok());
+  const absl::Status past = (*region)->Slice(4032, 65, "inputs[0].rows.shared").status();
+  EXPECT_EQ(past.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(past.message(), HasSubstr("inputs[0].rows.shared: bytes [4032, 4032 + 65)"));
+  EXPECT_THAT(past.message(), HasSubstr("of 4096 bytes"));
+  // No wrap-around of offset + bytes.
+  EXPECT_FALSE((*region)->Slice(64, ~uint64_t{0} - 8, "x").ok());
+  EXPECT_FALSE((*region)->Slice(8192, 0, "x").ok());
+  const absl::Status odd = (*region)->Slice(32, 8, "y").status();
+  EXPECT_EQ(odd.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(odd.message(), HasSubstr("y.offset: 32 is not a multiple of 64"));
+}
+
+TEST(SharedMemoryTest, OnlyHimoeNamesAreOpened) {
+  for (const std::string& bad : std::vector<std::string>{"", "/", "/himoe-", "himoe-x", "/dev/shm/himoe-x", "/himoe-a/b",
+                                "/himoe-../x", "/other-x", std::string("/himoe-") + "x\n",
+                                "/himoe-" + std::string(60, 'a')}) {
+    const absl::Status s = CheckSharedMemoryName(bad, "region");
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(s.message()), StartsWith("region: '")) << bad;
+    EXPECT_EQ(SharedMemoryRegion::Open(bad).status().code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  EXPECT_TRUE(CheckSharedMemoryName("/himoe-12-ab.c_d-e", "region").ok());
+  EXPECT_EQ(SharedMemoryRegion::Open("/himoe-no-such-region").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(SharedMemoryRegion::Create("t", 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SharedMemoryRegion::Create("bad/tag", 64).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(SharedMemoryTest, AttachmentsOpenOnceKeepTheRecentOnesAndSayWhereTheClientIs) {
+  SharedMemoryAttachments attachments(/*capacity=*/2);
+  std::unique_ptr<SharedMemoryRegion> owned[3];
+  for (auto& r : owned) {
+    auto made = SharedMemoryRegion::Create("t", 4096);
+    ASSERT_TRUE(made.ok()) << made.status();
+    r = std::move(*made);
+  }
+  auto first = attachments.Find(owned[0]->name(), "f");
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto same = attachments.Find(owned[0]->name(), "f");
+  ASSERT_TRUE(same.ok());
+  EXPECT_EQ(first->get(), same->get());  // opened once
+  ASSERT_TRUE(attachments.Find(owned[1]->name(), "f").ok());
+  ASSERT_TRUE(attachments.Find(owned[2]->name(), "f").ok());
+  EXPECT_EQ(attachments.open_regions(), 2u);
+  // Closed by the cache, still mapped for the call that holds it.
+  std::memset(*owned[0]->Slice(0, 64, "a"), 9, 64);
+  EXPECT_EQ((*(*first)->Slice(0, 64, "b"))[0], 9);
+
+  const auto missing = attachments.Find("/himoe-gone", "inputs[1].rows.shared");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(missing.status().message(), HasSubstr("inputs[1].rows.shared.region"));
+  EXPECT_THAT(missing.status().message(), HasSubstr("a client on this host"));
+  EXPECT_EQ(attachments.Find("/tmp/x", "f").status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  const std::string own_name = owned[1]->name();
+  OwnSharedMemory own(std::shared_ptr<SharedMemoryRegion>(std::move(owned[1])));
+  auto found = own.Find(own_name, "x");
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ((*found)->name(), own_name);
+  const auto other = own.Find(owned[2]->name(), "outputs[0].rows.shared");
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(other.status().message(), HasSubstr("is not the region this call sent"));
+}
+
+}  // namespace
+}  // namespace himoe
