@@ -118,7 +118,8 @@ absl::StatusOr<Layout> CheckLayout(const v1::Tensor& proto, absl::string_view fi
         "]: the byte count overflows int64"));
   }
   if (proto.has_shared()) {
-    if (!proto.data().empty() || proto.shared().byte_size() != static_cast<uint64_t>(layout.bytes)) {
+    if (!proto.data().empty() ||
+        proto.shared().byte_size() != static_cast<uint64_t>(layout.bytes)) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ".shared.byte_size is ", proto.shared().byte_size(), " with ",
           proto.data().size(), " bytes of data; shape [", absl::StrJoin(shape, ","), "] of ",

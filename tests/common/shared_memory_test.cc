@@ -88,7 +88,8 @@ TEST(SharedMemoryTest, SlicesOutsideTheRegionOrMisalignedAreRefusedNamingTheFiel
 }
 
 TEST(SharedMemoryTest, OnlyHimoeNamesAreOpened) {
-  for (const std::string& bad : std::vector<std::string>{"", "/", "/himoe-", "himoe-x", "/dev/shm/himoe-x", "/himoe-a/b",
+  for (const std::string& bad :
+       std::vector<std::string>{"", "/", "/himoe-", "himoe-x", "/dev/shm/himoe-x", "/himoe-a/b",
                                 "/himoe-../x", "/other-x", std::string("/himoe-") + "x\n",
                                 "/himoe-" + std::string(60, 'a')}) {
     const absl::Status s = CheckSharedMemoryName(bad, "region");

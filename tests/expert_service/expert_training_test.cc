@@ -550,7 +550,8 @@ TEST(ExpertTrainingCoreTest, SharedMemoryRowsTrainLikeInlineRows) {
   ASSERT_TRUE(inline_core->Forward(ForwardRequest(key, inputs), &inline_y).ok());
   ASSERT_EQ(shared_y.outputs_size(), 2);
   for (int i = 0; i < 2; ++i) {
-    EXPECT_TRUE(at::equal(decoded(shared_y.outputs(i).rows()), Decode(inline_y.outputs(i).rows())))
+    EXPECT_TRUE(
+        at::equal(decoded(shared_y.outputs(i).rows()), Decode(inline_y.outputs(i).rows())))
         << i;
   }
   // The next call's bytes (NaN) over the whole region.
@@ -563,8 +564,8 @@ TEST(ExpertTrainingCoreTest, SharedMemoryRowsTrainLikeInlineRows) {
   ASSERT_TRUE(inline_core->Backward(BackwardRequest(key, inputs, grads), &inline_dx).ok());
   ASSERT_EQ(shared_dx.input_grads_size(), 2);
   for (int i = 0; i < 2; ++i) {
-    EXPECT_TRUE(
-        at::equal(decoded(shared_dx.input_grads(i).rows()), Decode(inline_dx.input_grads(i).rows())))
+    EXPECT_TRUE(at::equal(decoded(shared_dx.input_grads(i).rows()),
+                          Decode(inline_dx.input_grads(i).rows())))
         << i;
   }
   std::memset(*region->Slice(0, region->size(), "all"), 0xff, region->size());
