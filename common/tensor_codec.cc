@@ -160,9 +160,9 @@ absl::StatusOr<at::Tensor> TakeTensor(v1::Tensor* proto, absl::string_view field
   if (proto->has_shared()) {
     const std::string slice_field = absl::StrCat(field, ".shared");
     if (shared == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          slice_field, ": this end takes no shared memory (an expert service takes it when "
-          "started with --shared_memory)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          slice_field, ": this service takes no shared memory; expected the bytes in data (an "
+          "expert service takes shared memory when started with --shared_memory)"));
     }
     HIMOE_ASSIGN_OR_RETURN(std::shared_ptr<SharedMemoryRegion> region,
                            shared->Find(proto->shared().region(), slice_field));

@@ -34,7 +34,7 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::Tensor& proto,
 // takes `proto`'s bytes and aliases them (proto->data() is left empty). Falls
 // back to a copy where the bytes are not aligned for the dtype. On error
 // `proto` is unchanged. A Tensor.shared slice is found through `shared`
-// (FailedPrecondition when null) and the tensor aliases the region's bytes,
+// (InvalidArgument when null) and the tensor aliases the region's bytes,
 // keeping the region mapped while it lives: a caller whose region may be
 // written again copies it.
 absl::StatusOr<at::Tensor> TakeTensor(v1::Tensor* proto, absl::string_view field = "tensor",

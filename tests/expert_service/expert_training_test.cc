@@ -608,7 +608,7 @@ TEST(ExpertTrainingCoreTest, BadSharedMemoryRequestsAreRefusedNamingTheField) {
   // A service without --shared_memory.
   v1::ExpertForwardRequest r = request(0, name);
   absl::Status s = MakeCore()->Forward(&r, &response);
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(s.message(), HasSubstr("inputs[0].rows.shared"));
   EXPECT_THAT(s.message(), HasSubstr("--shared_memory"));
 

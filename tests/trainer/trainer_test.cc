@@ -299,7 +299,7 @@ TEST(RemoteTrainingTest, SharedMemoryToServicesWithoutItFailsNamingTheFlag) {
   auto t = Trainer::Create(shared);
   ASSERT_TRUE(t.ok()) << t.status();
   auto step = (*t)->Step();
-  EXPECT_EQ(step.status().code(), absl::StatusCode::kFailedPrecondition) << step.status();
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kInvalidArgument) << step.status();
   EXPECT_THAT(step.status().message(), HasSubstr("--shared_memory"));
 }
 
