@@ -45,37 +45,45 @@ absl::StatusOr<v1::DType> DTypeToProto(c10::ScalarType type) {
   }
 }
 
-absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* out) {
+namespace {
+
+// Fills `out`'s dtype and shape and hands the tensor's contiguous CPU bytes
+// to `place`, which puts them in the message or in a shared-memory slice.
+template <typename Place>
+absl::Status EncodeWith(const at::Tensor& tensor, v1::Tensor* out, Place place) {
   if (!tensor.defined()) return absl::InvalidArgumentError("tensor: undefined");
   HIMOE_ASSIGN_OR_RETURN(const v1::DType dtype, DTypeToProto(tensor.scalar_type()));
-  return CatchTorchErrors([&] {
-    // No-ops for a contiguous CPU tensor: then the only copy is into `out`.
+  return CatchTorchErrors([&]() -> absl::Status {
+    // No-ops for a contiguous CPU tensor: then the only copy is `place`'s.
     const at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
+    HIMOE_RETURN_IF_ERROR(place(cpu.data_ptr(), static_cast<uint64_t>(cpu.nbytes())));
     out->set_dtype(dtype);
     out->clear_shape();
     for (const int64_t s : cpu.sizes()) out->add_shape(s);
-    out->set_data(cpu.data_ptr(), cpu.nbytes());
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace
+
+absl::Status EncodeTensor(const at::Tensor& tensor, v1::Tensor* out) {
+  return EncodeWith(tensor, out, [out](const void* bytes, uint64_t size) {
+    out->clear_shared();
+    out->set_data(bytes, size);
     return absl::OkStatus();
   });
 }
 
 absl::Status EncodeTensorShared(const at::Tensor& tensor, SharedMemoryRegion& region,
                                 uint64_t offset, v1::Tensor* out) {
-  if (!tensor.defined()) return absl::InvalidArgumentError("tensor: undefined");
-  HIMOE_ASSIGN_OR_RETURN(const v1::DType dtype, DTypeToProto(tensor.scalar_type()));
-  return CatchTorchErrors([&]() -> absl::Status {
-    const at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
-    const uint64_t bytes = cpu.nbytes();
-    HIMOE_ASSIGN_OR_RETURN(uint8_t* const to, region.Slice(offset, bytes, "tensor.shared"));
-    if (bytes > 0) std::memcpy(to, cpu.data_ptr(), bytes);
-    out->set_dtype(dtype);
-    out->clear_shape();
-    for (const int64_t s : cpu.sizes()) out->add_shape(s);
+  return EncodeWith(tensor, out, [&](const void* bytes, uint64_t size) -> absl::Status {
+    HIMOE_ASSIGN_OR_RETURN(uint8_t* const to, region.Slice(offset, size, "tensor.shared"));
+    if (size > 0) std::memcpy(to, bytes, size);
     out->clear_data();
     v1::SharedMemorySlice* slice = out->mutable_shared();
     slice->set_region(region.name());
     slice->set_offset(offset);
-    slice->set_byte_size(bytes);
+    slice->set_byte_size(size);
     return absl::OkStatus();
   });
 }
@@ -170,9 +178,9 @@ absl::StatusOr<at::Tensor> TakeTensor(v1::Tensor* proto, absl::string_view field
                            region->Slice(proto->shared().offset(), layout.bytes, slice_field));
     at::Tensor out;
     HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-      out = at::from_blob(
-          bytes, layout.shape, [region](void*) mutable { region.reset(); },
-          at::TensorOptions().dtype(layout.type));
+      // The deleter's copy of `region` keeps it mapped while the tensor lives.
+      out = at::from_blob(bytes, layout.shape, [region](void*) {},
+                          at::TensorOptions().dtype(layout.type));
       return absl::OkStatus();
     }));
     return out;

@@ -70,10 +70,13 @@ absl::StatusOr<std::vector<at::Tensor>> DecodeRequestRows(
   return rows;
 }
 
-absl::StatusOr<OutputSink> OutputSink::Create(const v1::SharedMemorySlice* slice,
+TensorSink::TensorSink(std::shared_ptr<SharedMemoryRegion> region)
+    : region_(std::move(region)), end_(region_ == nullptr ? 0 : region_->size()) {}
+
+absl::StatusOr<TensorSink> TensorSink::Create(const v1::SharedMemorySlice* slice,
                                               SharedMemoryLookup* shared,
                                               absl::string_view field) {
-  OutputSink sink;
+  TensorSink sink;
   if (slice == nullptr || shared == nullptr) return sink;
   HIMOE_ASSIGN_OR_RETURN(sink.region_, shared->Find(slice->region(), field));
   HIMOE_RETURN_IF_ERROR(
@@ -83,7 +86,7 @@ absl::StatusOr<OutputSink> OutputSink::Create(const v1::SharedMemorySlice* slice
   return sink;
 }
 
-absl::Status OutputSink::Encode(const at::Tensor& tensor, v1::Tensor* out) {
+absl::Status TensorSink::Encode(const at::Tensor& tensor, v1::Tensor* out) {
   const uint64_t bytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
   if (region_ == nullptr || next_ > end_ || bytes > end_ - next_) return EncodeTensor(tensor, out);
   HIMOE_RETURN_IF_ERROR(EncodeTensorShared(tensor, *region_, next_, out));
@@ -93,19 +96,15 @@ absl::Status OutputSink::Encode(const at::Tensor& tensor, v1::Tensor* out) {
 
 absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>& experts,
                               int64_t begin, int64_t end, ExpertRowsList* out,
-                              SharedMemoryRegion* region, uint64_t* offset) {
+                              TensorSink* sink) {
+  TensorSink inline_sink;
+  if (sink == nullptr) sink = &inline_sink;
   int64_t run = begin;
   for (int64_t i = begin + 1; i <= end; ++i) {
     if (i < end && experts[i] == experts[run]) continue;
     v1::ExpertRows* er = out->Add();
     er->set_expert_id(static_cast<int32_t>(experts[run]));
-    const at::Tensor part = rows.slice(0, run, i);
-    if (region != nullptr) {
-      HIMOE_RETURN_IF_ERROR(EncodeTensorShared(part, *region, *offset, er->mutable_rows()));
-      *offset = AlignSharedOffset(*offset + part.nbytes());
-    } else {
-      HIMOE_RETURN_IF_ERROR(EncodeTensor(part, er->mutable_rows()));
-    }
+    HIMOE_RETURN_IF_ERROR(sink->Encode(rows.slice(0, run, i), er->mutable_rows()));
     run = i;
   }
   return absl::OkStatus();

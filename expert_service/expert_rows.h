@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -41,15 +42,22 @@ absl::StatusOr<std::vector<at::Tensor>> DecodeRequestRows(
     const ExpertIdCheck& check_id, absl::Span<const int64_t> expected_rows = {},
     SharedMemoryLookup* shared = nullptr);
 
-// Server side: where a call's outputs go. With the request's output_slice
-// and shared memory on, each output goes at the slice's next aligned offset
-// while it fits, and inline after that; inline without either.
-class OutputSink {
+// Where a call's tensors go: at the next aligned offset of a shared-memory
+// slice while they fit, inline after that, and inline without a slice.
+class TensorSink {
  public:
-  // `slice` null, or `shared` null: inline. Errors name `field`.
-  static absl::StatusOr<OutputSink> Create(const v1::SharedMemorySlice* slice,
+  // Inline.
+  TensorSink() = default;
+  // Client side: `region` (null: inline) from offset 0 on.
+  explicit TensorSink(std::shared_ptr<SharedMemoryRegion> region);
+  // Server side: a request's output_slice (`slice` null or `shared` null:
+  // inline). Errors name `field`.
+  static absl::StatusOr<TensorSink> Create(const v1::SharedMemorySlice* slice,
                                            SharedMemoryLookup* shared, absl::string_view field);
+
   absl::Status Encode(const at::Tensor& tensor, v1::Tensor* out);
+  // The first free offset (past the last tensor placed in the slice).
+  uint64_t next() const { return next_; }
 
  private:
   std::shared_ptr<SharedMemoryRegion> region_;
@@ -59,11 +67,10 @@ class OutputSink {
 
 // Client side. Appends rows [begin, end) of a group's expert-sorted rows to
 // `out`, one ExpertRows per run of equal expert ids (`experts` is on the CPU).
-// With `region`, the bytes go into it from *offset on (each run at an
-// aligned offset; *offset ends past the last), and gRPC carries references.
+// The bytes go through `sink` (null: inline).
 absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>& experts,
                               int64_t begin, int64_t end, ExpertRowsList* out,
-                              SharedMemoryRegion* region = nullptr, uint64_t* offset = nullptr);
+                              TensorSink* sink = nullptr);
 
 // Client side. Concatenates the rows of `parts` into one [n, d_model] float32
 // tensor, checking that part i has as many rows as `expected[i]`. Takes the

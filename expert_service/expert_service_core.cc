@@ -252,8 +252,8 @@ absl::Status ExpertServiceCore::ComputeForward(const v1::ExpertForwardRequest& r
       }
     }
     HIMOE_ASSIGN_OR_RETURN(
-        OutputSink sink,
-        OutputSink::Create(request.has_output_slice() ? &request.output_slice() : nullptr,
+        TensorSink sink,
+        TensorSink::Create(request.has_output_slice() ? &request.output_slice() : nullptr,
                            shared_.get(), "output_slice"));
     int64_t offset = 0;
     for (int i = 0; i < n_inputs; ++i) {
@@ -317,8 +317,8 @@ absl::Status ExpertServiceCore::BackwardImpl(const SavedKey& key, SavedForward& 
           saved.rows, shared_.get()));
   HIMOE_ASSIGN_OR_RETURN(const at::Tensor input_grad, RunBackward(key, saved, grads));
   HIMOE_ASSIGN_OR_RETURN(
-      OutputSink sink,
-      OutputSink::Create(request->has_output_slice() ? &request->output_slice() : nullptr,
+      TensorSink sink,
+      TensorSink::Create(request->has_output_slice() ? &request->output_slice() : nullptr,
                          shared_.get(), "output_slice"));
   return CatchTorchErrors([&]() -> absl::Status {
     int64_t offset = 0;

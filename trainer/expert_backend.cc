@@ -12,7 +12,6 @@
 #include "common/expert_shape.h"
 #include "common/profile_scope.h"
 #include "common/status_macros.h"
-#include "common/tensor_codec.h"
 #include "common/torch_runtime.h"
 #include "expert_service/expert_client.h"
 #include "expert_service/expert_group.h"
@@ -175,15 +174,22 @@ struct GroupMemory {
 };
 
 // The bytes a call's request and answer take in a region: each run of
-// equal expert ids at an aligned offset, the answer after the request.
-uint64_t SharedBytesFor(const std::vector<int64_t>& experts, int64_t row_bytes) {
+// `run_rows` rows at an aligned offset, the answer after the request.
+uint64_t SharedBytesFor(const std::vector<int64_t>& run_rows, int64_t row_bytes) {
   uint64_t bytes = 0;
+  for (const int64_t rows : run_rows) bytes = AlignSharedOffset(bytes + rows * row_bytes);
+  return 2 * bytes;
+}
+
+// The lengths of the runs of equal ids in `experts`.
+std::vector<int64_t> RunLengths(const std::vector<int64_t>& experts) {
+  std::vector<int64_t> lengths;
   for (size_t begin = 0, i = 1; i <= experts.size(); ++i) {
     if (i < experts.size() && experts[i] == experts[begin]) continue;
-    bytes = AlignSharedOffset(bytes + (i - begin) * row_bytes);
+    lengths.push_back(static_cast<int64_t>(i - begin));
     begin = i;
   }
-  return 2 * bytes;
+  return lengths;
 }
 
 class RemoteBackend final : public ExpertBackend {
@@ -510,12 +516,13 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
                                          cpu_ids.data_ptr<int64_t>() + cpu_ids.numel());
       const at::Tensor wire = rows[i].detach().to(options_.wire_dtype).contiguous();
       const int64_t row_bytes = wire.size(1) * wire.element_size();
-      leases[i] = LeaseRegion(call.groups[i], SharedBytesFor(experts, row_bytes));
-      uint64_t offset = 0;
+      leases[i] = LeaseRegion(call.groups[i], SharedBytesFor(RunLengths(experts), row_bytes));
+      expert::TensorSink sink(leases[i]);
       HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(wire, experts, 0, rows[i].size(0),
-                                                     r.mutable_inputs(), leases[i].get(),
-                                                     &offset));
-      if (leases[i] != nullptr) SetOutputSlice(*leases[i], offset, r.mutable_output_slice());
+                                                     r.mutable_inputs(), &sink));
+      if (leases[i] != nullptr) {
+        SetOutputSlice(*leases[i], sink.next(), r.mutable_output_slice());
+      }
     }
   }
   {
@@ -530,10 +537,10 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
   std::vector<at::Tensor> outputs;
   for (size_t i = 0; i < n; ++i) {
     OwnSharedMemory own(leases[i]);
-    HIMOE_ASSIGN_OR_RETURN(at::Tensor y, expert::ConcatExpertRows(
-                                             responses[i].mutable_outputs(), call.requests[i].inputs(),
-                                             d_model(),
-                                             absl::StrCat("expert group ", call.groups[i]), &own));
+    HIMOE_ASSIGN_OR_RETURN(
+        at::Tensor y,
+        expert::ConcatExpertRows(responses[i].mutable_outputs(), call.requests[i].inputs(),
+                                 d_model(), absl::StrCat("expert group ", call.groups[i]), &own));
     outputs.push_back(std::move(y));  // float32, whatever the wire's dtype
     // Backward needs only the run structure: drop the row bytes.
     for (auto& in : *call.requests[i].mutable_inputs()) {
@@ -565,28 +572,23 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
       r.set_run_id(f.run_id());
       const at::Tensor g = grads[i].defined() ? grads[i].to(options_.wire_dtype).contiguous()
                                               : at::Tensor();
-      std::vector<int64_t> run_experts;  // one id per row, for SharedBytesFor
-      for (const v1::ExpertRows& in : f.inputs()) {
-        run_experts.insert(run_experts.end(), in.rows().shape(0), in.expert_id());
-      }
-      leases[i] = LeaseRegion(call.groups[i], SharedBytesFor(run_experts, row_bytes));
-      uint64_t offset = 0;
+      std::vector<int64_t> run_rows;
+      for (const v1::ExpertRows& in : f.inputs()) run_rows.push_back(in.rows().shape(0));
+      leases[i] = LeaseRegion(call.groups[i], SharedBytesFor(run_rows, row_bytes));
+      expert::TensorSink sink(leases[i]);
       int64_t row = 0;
-      for (const v1::ExpertRows& in : f.inputs()) {
-        const int64_t rows = in.rows().shape(0);
+      for (size_t k = 0; k < run_rows.size(); ++k) {
         v1::ExpertRows* out = r.add_output_grads();
-        out->set_expert_id(in.expert_id());
-        const at::Tensor part = g.defined() ? g.slice(0, row, row + rows)
-                                            : at::zeros({rows, d_model()}, options_.wire_dtype);
-        if (leases[i] != nullptr) {
-          HIMOE_RETURN_IF_ERROR(EncodeTensorShared(part, *leases[i], offset, out->mutable_rows()));
-          offset = AlignSharedOffset(offset + part.nbytes());
-        } else {
-          HIMOE_RETURN_IF_ERROR(EncodeTensor(part, out->mutable_rows()));
-        }
-        row += rows;
+        out->set_expert_id(f.inputs(static_cast<int>(k)).expert_id());
+        const at::Tensor part =
+            g.defined() ? g.slice(0, row, row + run_rows[k])
+                        : at::zeros({run_rows[k], d_model()}, options_.wire_dtype);
+        HIMOE_RETURN_IF_ERROR(sink.Encode(part, out->mutable_rows()));
+        row += run_rows[k];
       }
-      if (leases[i] != nullptr) SetOutputSlice(*leases[i], offset, r.mutable_output_slice());
+      if (leases[i] != nullptr) {
+        SetOutputSlice(*leases[i], sink.next(), r.mutable_output_slice());
+      }
     }
   }
   {
