@@ -16,8 +16,11 @@
 # and in 4 local expert processes. Each run measures the machine's GEMM rate
 # at start; the table gives tokens/s (median step after warm-up), model
 # GFLOP/s, MFU against that rate, remote / in-process, 2 / 1 threads, and the
-# peak RSS of the coordinator and the expert processes. --rounds R runs the
-# six R times round-robin (a VM's drift then falls on every run) and reports
+# peak RSS of the coordinator and the expert processes. Then the released
+# config with 2 micro-batches a step (accum2): in process, and in 4 expert
+# processes with the 2 micro-batches at once (the default) and one at a time.
+# --rounds R runs the nine R times round-robin (a VM's drift then falls on
+# every run) and reports
 # each run's median round and every round's ratios. Writes
 # <out>/train_bench.md (the README's table) and the runs' metrics.jsonl.
 set -euo pipefail
@@ -25,7 +28,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${HIMOE_BUILD_DIR:-${ROOT}/build}"
 TRAINER="${BUILD}/trainer/himoe-trainer"
 
-usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 
 [[ $# -ge 1 ]] || usage
 mode="$1"; shift
@@ -169,22 +172,32 @@ done
 [[ -x "${TRAINER}" ]] || { echo "bench: ${TRAINER} not built (run scripts/setup.sh)" >&2; exit 1; }
 mkdir -p "${out}"
 
+released="--n_layer 4 --d_model 128 --n_head 4 --block_size 128 --batch_size 16
+          --num_experts 8 --num_groups 4 --top_k 1 --d_ff 512 --moe_every 1 --lr 1e-3"
 declare -A CONFIGS=(
-  [released]="--n_layer 4 --d_model 128 --n_head 4 --block_size 128 --batch_size 16
-              --num_experts 8 --num_groups 4 --top_k 1 --d_ff 512 --moe_every 1 --lr 1e-3"
+  [released]="${released}"
   [main]=""
+  [accum2]="${released} --grad_accum 2"
+)
+# serial: 4 local expert processes, one micro-batch at a time.
+declare -A RUNS=(
+  [released]="inprocess:0 inprocess:1 local:0"
+  [main]="inprocess:0 inprocess:1 local:0"
+  [accum2]="inprocess:0 local:0 serial:0"
 )
 [[ "${rounds}" =~ ^[1-9][0-9]*$ ]] || { echo "bench: --rounds must be a positive integer" >&2; exit 2; }
 runs=()
 for round in $(seq 1 "${rounds}"); do
-  for config in released main; do
-    for run in inprocess:0 inprocess:1 local:0; do
+  for config in released main accum2; do
+    for run in ${RUNS[${config}]}; do
       experts="${run%%:*}" threads="${run##*:}"
       name="${config}-${experts}-t${threads}"
       [[ "${rounds}" == 1 ]] || name="${name}-r${round}"
       echo "bench: ${name}" >&2
+      flags=(--experts="${experts}")
+      [[ "${experts}" != serial ]] || flags=(--experts=local --micro_batches_in_flight 1)
       # shellcheck disable=SC2086
-      "${TRAINER}" --experts="${experts}" --threads "${threads}" ${CONFIGS[${config}]} \
+      "${TRAINER}" "${flags[@]}" --threads "${threads}" ${CONFIGS[${config}]} \
         --steps "${steps}" --warmup 5 --eval_every 1000000 --eval_windows 8 --log_every 1000000 \
         --out_dir "${out}/${name}" "${extra[@]}" >"${out}/${name}.log" 2>&1 \
         || { echo "bench: ${name} failed; see ${out}/${name}.log" >&2; tail -5 "${out}/${name}.log" >&2; exit 1; }

@@ -56,6 +56,13 @@ def cpu_model():
     return platform.processor() or "unknown CPU"
 
 
+EXPERTS_LABEL = {
+    "inprocess": "in process",
+    "local": "4 processes",
+    "serial": "4 processes, 1 micro-batch at a time",
+}
+
+
 def median_round(rounds):
     """The round whose tokens/s is the median (the lower middle of an even count)."""
     ordered = sorted(rounds.values(), key=lambda x: x["tok_s"])
@@ -107,12 +114,12 @@ def main():
     for name, x in r.items():
         config, experts, threads = name.split("-")
         ratio = scale = ""
-        if experts == "local":
+        if experts in ("local", "serial"):
             ratios = round_ratios(groups, name, f"{config}-inprocess-t0")
             if ratios:
                 ratio = f"{statistics.median(ratios):.2f}"
-                per_round.append(f"{config} remote / in-process " +
-                                 ", ".join(f"{v:.2f}" for v in ratios))
+                per_round.append(f"{config} {'one at a time ' if experts == 'serial' else ''}"
+                                 "remote / in-process " + ", ".join(f"{v:.2f}" for v in ratios))
         if experts == "inprocess" and threads == "t0":
             scales = round_ratios(groups, name, f"{config}-inprocess-t1")
             if scales:
@@ -121,7 +128,7 @@ def main():
                                  ", ".join(f"{v:.2f}" for v in scales))
         experts_rss = x["memory"]["expert_peak_rss_mib"]
         lines.append(
-            f"| {config} | {'4 processes' if experts == 'local' else 'in process'} "
+            f"| {config} | {EXPERTS_LABEL[experts]} "
             f"| {x['compute']['threads']} | {x['tok_s']:.0f} | {x['gflops']:.1f} "
             f"| {100 * x['mfu']:.0f}% | {ratio} | {scale} "
             f"| {x['memory']['coordinator_peak_rss_mib']:.0f} MiB "
@@ -132,6 +139,12 @@ def main():
                                                       for k in sorted(g))
                               for name, g in groups.items() if name.endswith("-t0")
                               and "inprocess" in name) + "."]
+    at_once = round_ratios(groups, "accum2-local-t0", "accum2-serial-t0")
+    if at_once:
+        lines += ["", "accum2 (the released config, 2 micro-batches a step): 2 micro-batches at "
+                  f"once / one at a time, 4 processes: {statistics.median(at_once):.2f}"
+                  + (" (rounds " + ", ".join(f"{v:.2f}" for v in at_once) + ")"
+                     if len(at_once) > 1 else "") + "."]
     lines += ["", "FLOPs per token (training, model FLOPs): " + ", ".join(
         f"{c} {r[f'{c}-inprocess-t0']['compute']['flops_per_token'] / 1e6:.2f} M"
         for c in ("released", "main") if f"{c}-inprocess-t0" in r) + "."]

@@ -13,12 +13,13 @@
 namespace himoe::trainer {
 
 absl::StatusOr<std::unique_ptr<BackendMoE>> BackendMoE::Create(const model::ModelOptions& o,
-                                                               ExpertBackend* experts) {
+                                                               ExpertBackend* experts,
+                                                               MicroBatchTurns* turns) {
   HIMOE_RETURN_IF_ERROR(router::ValidateRoutingConfig(o.routing));
   if (experts == nullptr || experts->num_groups() != o.routing.num_groups) {
     return absl::InvalidArgumentError("model: the expert backend must have num_groups groups");
   }
-  std::unique_ptr<BackendMoE> moe(new BackendMoE(o.d_model, experts));
+  std::unique_ptr<BackendMoE> moe(new BackendMoE(o.d_model, experts, turns));
   for (int m = 0; m < model::NumMoeLayers(o); ++m) {
     router::RouterLayerOptions ro;
     ro.config = o.routing;
@@ -41,8 +42,13 @@ absl::StatusOr<router::MoEOutput> BackendMoE::Forward(int layer, const at::Tenso
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
     {
       HIMOE_PROFILE_SCOPE("routing, aux losses");
-      HIMOE_ASSIGN_OR_RETURN(out.routing,
-                             routers_[layer]->Route(x, call.training, call.segments));
+      MicroBatchTurns* turns = call.training ? turns_ : nullptr;
+      if (turns != nullptr) {
+        HIMOE_RETURN_IF_ERROR(turns->Wait(Turn::kRoute, layer, call.micro_batch));
+      }
+      auto routed = routers_[layer]->Route(x, call.training, call.segments);
+      if (turns != nullptr) turns->Pass(Turn::kRoute, layer, call.micro_batch);
+      HIMOE_ASSIGN_OR_RETURN(out.routing, std::move(routed));
     }
     std::vector<at::Tensor> rows, ids;
     {

@@ -14,6 +14,7 @@
 #include "router_service/local_moe.h"
 #include "router_service/router_layer.h"
 #include "trainer/expert_backend.h"
+#include "trainer/micro_batch_turns.h"
 
 namespace himoe::trainer {
 
@@ -23,8 +24,11 @@ namespace himoe::trainer {
 class BackendMoE final : public model::MoELayers {
  public:
   // `experts` (not owned) must outlive this and have the model's groups.
+  // With `turns` (not owned), training micro-batches route each layer in
+  // their order (Turn::kRoute), so that several can run at once.
   static absl::StatusOr<std::unique_ptr<BackendMoE>> Create(const model::ModelOptions& options,
-                                                            ExpertBackend* experts);
+                                                            ExpertBackend* experts,
+                                                            MicroBatchTurns* turns = nullptr);
 
   int num_layers() const override { return static_cast<int>(routers_.size()); }
   int num_groups() const override { return experts_->num_groups(); }
@@ -36,10 +40,12 @@ class BackendMoE final : public model::MoELayers {
   ExpertBackend& experts() { return *experts_; }
 
  private:
-  BackendMoE(int64_t d_model, ExpertBackend* experts) : d_model_(d_model), experts_(experts) {}
+  BackendMoE(int64_t d_model, ExpertBackend* experts, MicroBatchTurns* turns)
+      : d_model_(d_model), experts_(experts), turns_(turns) {}
 
   int64_t d_model_;
   ExpertBackend* experts_;
+  MicroBatchTurns* turns_;
   std::vector<std::unique_ptr<router::RouterLayer>> routers_;
 };
 

@@ -165,13 +165,21 @@ struct RemoteCall {
   std::vector<v1::ExpertForwardRequest> requests;  // row data dropped after sending
 };
 
-// A group's shared-memory region, reused by one call after another: a call
-// leases it for its request and answer, and one that fails drops it (a
-// late answer may still write there), so the next call makes a new one.
+// A group's shared-memory regions, reused by one call after another: a call
+// leases one for its request and answer, and one that fails drops it (a
+// late answer may still write there), so a later call makes a new one.
+// Calls in flight at once (micro-batches) lease one each.
 struct GroupMemory {
-  std::shared_ptr<SharedMemoryRegion> region;
-  bool leased = false;
+  struct Slot {
+    std::shared_ptr<SharedMemoryRegion> region;
+    bool leased = false;
+  };
+  std::vector<Slot> slots;
 };
+
+// Regions per group at most; a call that finds them all leased sends its
+// bytes in the messages.
+constexpr size_t kMaxRegionsPerGroup = 4;
 
 // The bytes a call's request and answer take in a region: each run of
 // `run_rows` rows at an aligned offset, the answer after the request.
@@ -327,21 +335,33 @@ class RemoteBackend final : public ExpertBackend {
     return call;
   }
 
-  // Group `group`'s region with room for `bytes`, leased to the caller
-  // (made or grown here), or null: shared memory is off, the region is
-  // leased already, or none can be made (then shared memory goes off).
+  // A region of group `group` with room for `bytes`, leased to the caller
+  // (made or grown here), or null: shared memory is off, every region of the
+  // group is leased already, or none can be made (then shared memory goes
+  // off).
   std::shared_ptr<SharedMemoryRegion> LeaseRegion(int group, uint64_t bytes) {
     if (!options_.shared_memory) return nullptr;
     std::lock_guard<std::mutex> lock(memory_mu_);
     if (shared_memory_failed_) return nullptr;
-    GroupMemory& m = memory_[group];
-    if (m.leased) return nullptr;
-    if (m.region == nullptr || m.region->size() < bytes) {
+    std::vector<GroupMemory::Slot>& slots = memory_[group].slots;
+    GroupMemory::Slot* slot = nullptr;
+    for (GroupMemory::Slot& s : slots) {
+      if (!s.leased) {
+        slot = &s;
+        break;
+      }
+    }
+    if (slot == nullptr) {
+      if (slots.size() >= kMaxRegionsPerGroup) return nullptr;
+      slot = &slots.emplace_back();
+    }
+    if (slot->region == nullptr || slot->region->size() < bytes) {
       // Whole MiB, and twice the last size, so a growing batch remaps rarely.
       constexpr uint64_t kMiB = 1 << 20;
-      const uint64_t size = std::max<uint64_t>((bytes + kMiB - 1) / kMiB * kMiB,
-                                         m.region == nullptr ? 0 : 2 * m.region->size());
-      m.region.reset();
+      const uint64_t size =
+          std::max<uint64_t>((bytes + kMiB - 1) / kMiB * kMiB,
+                             slot->region == nullptr ? 0 : 2 * slot->region->size());
+      slot->region.reset();
       auto made = SharedMemoryRegion::Create(absl::StrCat("g", group), size);
       if (!made.ok()) {
         LOG(WARNING) << "expert group " << group << ": no shared memory (" << made.status()
@@ -349,18 +369,23 @@ class RemoteBackend final : public ExpertBackend {
         shared_memory_failed_ = true;
         return nullptr;
       }
-      m.region = std::move(*made);
+      slot->region = std::move(*made);
     }
-    m.leased = true;
-    return m.region;
+    slot->leased = true;
+    return slot->region;
   }
-  // Ends the lease; `ok` false drops the region (a late answer may write it).
-  void ReturnRegion(int group, bool ok) {
+  // Ends the lease of `region`; `ok` false drops it (a late answer may write
+  // it).
+  void ReturnRegion(int group, const SharedMemoryRegion* region, bool ok) {
     std::lock_guard<std::mutex> lock(memory_mu_);
-    GroupMemory& m = memory_[group];
-    m.leased = false;
-    if (!ok) m.region.reset();
+    for (GroupMemory::Slot& s : memory_[group].slots) {
+      if (s.region.get() != region) continue;
+      s.leased = false;
+      if (!ok) s.region.reset();
+    }
   }
+
+  MicroBatchTurns* turns() const { return options_.turns; }
 
  private:
   explicit RemoteBackend(const ExpertBackendOptions& o)
@@ -421,7 +446,13 @@ class RemoteExpertsFunction : public torch::autograd::Function<RemoteExpertsFunc
       throw StatusException(absl::FailedPreconditionError(
           absl::StrCat("remote expert call ", handle, " was aborted before its backward")));
     }
+    MicroBatchTurns* turns = call->backend->turns();
+    if (turns != nullptr) {
+      const absl::Status s = turns->Wait(Turn::kBackward, call->layer, call->micro_batch);
+      if (!s.ok()) throw StatusException(s);
+    }
     auto input_grads = call->backend->SendBackward(*call, grads);
+    if (turns != nullptr) turns->Pass(Turn::kBackward, call->layer, call->micro_batch);
     if (!input_grads.ok()) throw StatusException(input_grads.status());
     torch::autograd::variable_list out = {at::Tensor()};  // for `call`
     for (auto& g : *input_grads) out.push_back(std::move(g));
@@ -473,7 +504,7 @@ class Leases {
       : backend_(backend), groups_(groups), regions_(groups.size()) {}
   ~Leases() {
     for (size_t i = 0; i < groups_.size(); ++i) {
-      if (regions_[i] != nullptr) backend_->ReturnRegion(groups_[i], ok_);
+      if (regions_[i] != nullptr) backend_->ReturnRegion(groups_[i], regions_[i].get(), ok_);
     }
   }
   std::shared_ptr<SharedMemoryRegion>& operator[](size_t i) { return regions_[i]; }

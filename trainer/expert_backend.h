@@ -16,6 +16,7 @@
 #include "common/named_tensor.h"
 #include "himoe/v1/model.pb.h"
 #include "proto/tls_credentials.h"
+#include "trainer/micro_batch_turns.h"
 
 namespace himoe::trainer {
 
@@ -76,6 +77,10 @@ struct ExpertBackendOptions {
   // references. Every group must run on this host with --shared_memory.
   // Where a region cannot be made, the bytes go in the messages.
   bool shared_memory = false;
+  // Remote only: with it (not owned), training micro-batches send each
+  // layer's Backward in their order (Turn::kBackward), so that several can
+  // run at once and the groups still sum their gradients in order.
+  MicroBatchTurns* turns = nullptr;
   // Remote only: called with (group, RPC name, seconds) after every
   // Forward/Backward/Step call, from gRPC threads.
   std::function<void(int, const std::string&, double)> on_rpc;

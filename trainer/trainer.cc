@@ -2,14 +2,18 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <future>
 #include <random>
 
+#include <ATen/ThreadLocalState.h>
 #include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/compute_pool.h"
 #include "common/profile_scope.h"
 #include "common/squared_norm.h"
 #include "common/status_macros.h"
@@ -71,10 +75,11 @@ Trainer::~Trainer() = default;
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o) {
   if (o.steps < 1 || o.batch_size < 1 || o.grad_accum < 1 || o.lr < 0 || o.min_lr < 0 ||
-      o.warmup_steps < 0 || o.weight_decay < 0 || o.grad_clip < 0) {
+      o.warmup_steps < 0 || o.weight_decay < 0 || o.grad_clip < 0 ||
+      o.micro_batches_in_flight < 1) {
     return absl::InvalidArgumentError(
-        "trainer: steps, batch_size, grad_accum >= 1; lr, min_lr, warmup_steps, "
-        "weight_decay, grad_clip >= 0");
+        "trainer: steps, batch_size, grad_accum, micro_batches_in_flight >= 1; lr, min_lr, "
+        "warmup_steps, weight_decay, grad_clip >= 0");
   }
   std::unique_ptr<Trainer> t(new Trainer(o));
   HIMOE_ASSIGN_OR_RETURN(t->corpus_, Corpus::Create(o.data));
@@ -102,12 +107,23 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   bo.on_rpc = o.on_rpc;
   if (opts.run_id.empty()) opts.run_id = NewRunId();
   bo.run_id = opts.run_id;
+  const int in_flight = std::min(o.micro_batches_in_flight, o.grad_accum);
+  if (o.remote_experts && in_flight > 1) {
+    t->turns_ = std::make_unique<MicroBatchTurns>(model::NumMoeLayers(opts.model));
+    ComputePoolOptions lanes;
+    lanes.workers = in_flight - 1;
+    lanes.max_queue = in_flight;
+    HIMOE_ASSIGN_OR_RETURN(t->lanes_, ComputePool::Create(lanes));
+    t->lanes_in_flight_ = in_flight;
+    bo.turns = t->turns_.get();
+  }
   if (o.remote_experts) {
     HIMOE_ASSIGN_OR_RETURN(t->experts_, CreateRemoteBackend(bo));
   } else {
     HIMOE_ASSIGN_OR_RETURN(t->experts_, CreateInProcessBackend(bo));
   }
-  HIMOE_ASSIGN_OR_RETURN(t->moe_, BackendMoE::Create(opts.model, t->experts_.get()));
+  HIMOE_ASSIGN_OR_RETURN(t->moe_,
+                         BackendMoE::Create(opts.model, t->experts_.get(), t->turns_.get()));
   HIMOE_ASSIGN_OR_RETURN(t->model_, model::TransformerLM::Create(opts.model, t->moe_.get()));
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     std::vector<torch::optim::OptimizerParamGroup> groups;
@@ -148,7 +164,106 @@ absl::Status CheckFinite(const StepResult& r, double dense_norm2, double expert_
       r.step - 1, " (lower --lr or --grad_clip, or check the data)"));
 }
 
+// Adds a micro-batch's losses (`loss` is its total), tokens and routing
+// statistics to the step's (means over `accum` micro-batches).
+void AddMicroBatch(model::ModelOutput out, const at::Tensor& loss, int64_t tokens, double accum,
+                   StepResult& r) {
+  r.loss += loss.item<double>() / accum;
+  r.task += out.task_loss.item<double>() / accum;
+  r.load += out.aux.load.item<double>() / accum;
+  r.intra += out.aux.intra.item<double>() / accum;
+  r.inter += out.aux.inter.item<double>() / accum;
+  r.z += out.aux.z.item<double>() / accum;
+  r.balance += out.aux.balance.item<double>() / accum;
+  r.tokens += tokens;
+  r.layers = std::move(out.stats);
+}
+
 }  // namespace
+
+absl::Status Trainer::MicroBatchesAtOnce(uint64_t step, StepResult& r) {
+  const int n = options_.grad_accum;
+  const double accum = n;
+  std::vector<Batch> batches(n);
+  {
+    HIMOE_PROFILE_SCOPE("data");
+    for (Batch& batch : batches) batch = sampler_->Next();
+  }
+  std::vector<at::Tensor> params;
+  for (const auto& p : model_->parameters()) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+  turns_->Begin();
+  const int lanes = lanes_in_flight_;
+  // Lane k runs micro-batches k, k + lanes, ... one after the other; the
+  // turns keep every lane's routing and Backward calls in micro-batch order.
+  // Each micro-batch's dense gradients are its own until its turn to add
+  // them, in order, as backward() into .grad would.
+  auto run_lane = [&](int lane) -> absl::Status {
+    for (int mb = lane; mb < n; mb += lanes) {
+      const uint32_t id = static_cast<uint32_t>(mb);
+      const absl::Status s = CatchTorchErrors([&]() -> absl::Status {
+        HIMOE_ASSIGN_OR_RETURN(model::ModelOutput out,
+                               model_->Forward(batches[mb].x, batches[mb].y, step, id, true));
+        const at::Tensor loss = out.task_loss + out.aux.Total();
+        const std::vector<at::Tensor> grads =
+            torch::autograd::grad({loss / accum}, params, /*grad_outputs=*/{},
+                                  /*retain_graph=*/false, /*create_graph=*/false,
+                                  /*allow_unused=*/true);
+        HIMOE_RETURN_IF_ERROR(turns_->Wait(Turn::kGradientSum, 0, id));
+        {
+          at::NoGradGuard no_grad;
+          for (size_t i = 0; i < params.size(); ++i) {
+            if (!grads[i].defined()) continue;
+            at::Tensor& grad = params[i].mutable_grad();
+            if (grad.defined()) {
+              grad.add_(grads[i]);
+            } else if (!grads[i].is_view() && grads[i].strides() == params[i].strides()) {
+              grad = grads[i];
+            } else {
+              // The parameter's own layout, and no view (zero_grad detaches in place).
+              grad = at::empty_like(params[i]).copy_(grads[i]);
+            }
+          }
+        }
+        AddMicroBatch(std::move(out), loss, batches[mb].x.numel(), accum, r);
+        turns_->Pass(Turn::kGradientSum, 0, id);
+        return absl::OkStatus();
+      });
+      turns_->Finish(id);
+      if (!s.ok()) {
+        turns_->Cancel(s);
+        return s;
+      }
+    }
+    return absl::OkStatus();
+  };
+  std::vector<std::promise<absl::Status>> others(lanes - 1);
+  std::vector<std::future<absl::Status>> done;
+  absl::Status status;
+  const at::ThreadLocalState thread_state;  // grad mode and LibTorch's other thread settings
+  for (int lane = 1; lane < lanes; ++lane) {
+    std::promise<absl::Status>& promise = others[lane - 1];
+    const absl::Status submitted = lanes_->Submit([&, lane, thread_state] {
+      at::ThreadLocalStateGuard guard(thread_state);
+      promise.set_value(run_lane(lane));
+    });
+    if (!submitted.ok()) {
+      turns_->Cancel(submitted);
+      status = submitted;
+      break;
+    }
+    done.push_back(promise.get_future());
+  }
+  const absl::Status first = status.ok() ? run_lane(0) : status;
+  if (status.ok()) status = first;
+  for (auto& f : done) {
+    const absl::Status s = f.get();
+    if (status.ok()) status = s;
+  }
+  turns_->End();
+  return status;
+}
 
 absl::StatusOr<StepResult> Trainer::Step() {
   const auto start = std::chrono::steady_clock::now();
@@ -174,26 +289,22 @@ absl::StatusOr<StepResult> Trainer::Step() {
   if (status.ok()) status = CatchTorchErrors([&]() -> absl::Status {
     model_->train();
     optimizer_->zero_grad();
-    for (int mb = 0; mb < options_.grad_accum; ++mb) {
-      Batch batch;
-      {
-        HIMOE_PROFILE_SCOPE("data");
-        batch = sampler_->Next();
+    if (lanes_ != nullptr) {
+      HIMOE_RETURN_IF_ERROR(MicroBatchesAtOnce(step, r));
+    } else {
+      for (int mb = 0; mb < options_.grad_accum; ++mb) {
+        Batch batch;
+        {
+          HIMOE_PROFILE_SCOPE("data");
+          batch = sampler_->Next();
+        }
+        HIMOE_ASSIGN_OR_RETURN(
+            model::ModelOutput out,
+            model_->Forward(batch.x, batch.y, step, static_cast<uint32_t>(mb), true));
+        const at::Tensor loss = out.task_loss + out.aux.Total();
+        (loss / accum).backward();
+        AddMicroBatch(std::move(out), loss, batch.x.numel(), accum, r);
       }
-      HIMOE_ASSIGN_OR_RETURN(
-          model::ModelOutput out,
-          model_->Forward(batch.x, batch.y, step, static_cast<uint32_t>(mb), true));
-      const at::Tensor loss = out.task_loss + out.aux.Total();
-      (loss / accum).backward();
-      r.loss += loss.item<double>() / accum;
-      r.task += out.task_loss.item<double>() / accum;
-      r.load += out.aux.load.item<double>() / accum;
-      r.intra += out.aux.intra.item<double>() / accum;
-      r.inter += out.aux.inter.item<double>() / accum;
-      r.z += out.aux.z.item<double>() / accum;
-      r.balance += out.aux.balance.item<double>() / accum;
-      r.tokens += batch.x.numel();
-      r.layers = std::move(out.stats);
     }
     // One clip scale over every shard: dense here, experts on the groups.
     HIMOE_PROFILE_SCOPE("grad norm, optimizer");

@@ -15,9 +15,14 @@
 #include "trainer/backend_moe.h"
 #include "trainer/data.h"
 #include "trainer/expert_backend.h"
+#include "trainer/micro_batch_turns.h"
 
 namespace torch::optim {
 class AdamW;
+}
+
+namespace himoe {
+class ComputePool;
 }
 
 namespace himoe::trainer {
@@ -43,6 +48,12 @@ struct TrainerOptions {
   // Remote experts on this host: tensors through shared memory (see
   // ExpertBackendOptions::shared_memory).
   bool shared_memory = false;
+  // Remote experts with grad_accum > 1: this many micro-batches run at once
+  // (a thread each), so that one's dense work overlaps another's expert
+  // calls. Routing, the groups' gradient sums and the dense gradient sum go
+  // in micro-batch order, so the step is the sequential one bit for bit; each
+  // micro-batch in flight holds its activations. 1 = one at a time.
+  int micro_batches_in_flight = 2;
   // Remote experts: (group, RPC, seconds) of every call, from gRPC threads.
   std::function<void(int, const std::string&, double)> on_rpc;
 
@@ -126,9 +137,16 @@ class Trainer {
   const TrainerOptions& options() const { return options_; }
   const std::string& run_id() const { return options_.run_id; }
   double flops_per_token() const { return flops_per_token_; }
+  // Micro-batches that run at once in a step (see
+  // TrainerOptions::micro_batches_in_flight): 1 in process or without
+  // accumulation.
+  int micro_batches_in_flight() const { return lanes_ == nullptr ? 1 : lanes_in_flight_; }
 
  private:
   explicit Trainer(const TrainerOptions& options);
+  // The step's micro-batches, micro_batches_in_flight() at once: forward,
+  // backward, and their losses and tokens added to `r`.
+  absl::Status MicroBatchesAtOnce(uint64_t step, StepResult& r);
 
   TrainerOptions options_;
   std::unique_ptr<Corpus> corpus_;
@@ -140,6 +158,11 @@ class Trainer {
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   int64_t step_ = 0;
   double flops_per_token_ = 0;
+  // With micro-batches at once: their turns, and the threads of every lane
+  // but the caller's.
+  std::unique_ptr<MicroBatchTurns> turns_;
+  std::unique_ptr<ComputePool> lanes_;
+  int lanes_in_flight_ = 1;
 };
 
 }  // namespace himoe::trainer

@@ -95,6 +95,10 @@ ABSL_FLAG(int, moe_every, 1, "MoE FFN on every layer (1) or every other layer (2
 ABSL_FLAG(int64_t, steps, 600, "optimizer steps");
 ABSL_FLAG(int64_t, batch_size, 16, "sequences per micro-batch");
 ABSL_FLAG(int, grad_accum, 1, "micro-batches per step");
+ABSL_FLAG(int, micro_batches_in_flight, 2,
+          "with remote experts and --grad_accum > 1: micro-batches run this many at once, one's "
+          "dense work beside another's expert calls (the step is the sequential one, bit for "
+          "bit; each holds its activations); 1 = one at a time");
 ABSL_FLAG(double, lr, 2e-3, "peak learning rate");
 ABSL_FLAG(double, min_lr, 2e-4, "final learning rate");
 ABSL_FLAG(int64_t, warmup, 30, "warmup steps");
@@ -123,7 +127,8 @@ ABSL_FLAG(bool, split_products, true,
           "threads");
 ABSL_FLAG(bool, profile, false,
           "time each step by category (attention, routing, experts, RPC, optimizer, ...), after "
-          "3 warm-up steps; prints a table at the end and writes <out_dir>/profile.md");
+          "3 warm-up steps; prints a table at the end and writes <out_dir>/profile.md; the "
+          "micro-batches then run one at a time");
 ABSL_FLAG(bool, profile_ops, false,
           "with --profile: also time every outermost LibTorch op and autograd node (the "
           "callbacks slow the step)");
@@ -217,6 +222,9 @@ absl::StatusOr<TrainerOptions> OptionsFromFlags() {
   o.steps = absl::GetFlag(FLAGS_steps);
   o.batch_size = absl::GetFlag(FLAGS_batch_size);
   o.grad_accum = absl::GetFlag(FLAGS_grad_accum);
+  // The step profiler follows one thread.
+  o.micro_batches_in_flight =
+      absl::GetFlag(FLAGS_profile) ? 1 : absl::GetFlag(FLAGS_micro_batches_in_flight);
   o.lr = absl::GetFlag(FLAGS_lr);
   o.min_lr = absl::GetFlag(FLAGS_min_lr);
   o.warmup_steps = absl::GetFlag(FLAGS_warmup);

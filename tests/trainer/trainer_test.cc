@@ -275,7 +275,10 @@ TEST(RemoteTrainingTest, SharedMemoryTrainsBitForBitLikeMessages) {
       EXPECT_EQ(ra->loss, rb->loss) << "step " << step + 1;
       EXPECT_EQ(ra->grad_norm, rb->grad_norm) << "step " << step + 1;
     }
-    EXPECT_EQ(regions(), before + o.model.routing.num_groups);
+    // A region per group, and one more for each micro-batch in flight at once.
+    const int groups = o.model.routing.num_groups;
+    EXPECT_GE(regions(), before + groups);
+    EXPECT_LE(regions(), before + groups * (*a)->micro_batches_in_flight());
     const auto pa = AllParameters(**a);
     const auto pb = AllParameters(**b);
     ASSERT_EQ(pa.size(), pb.size());
@@ -289,6 +292,68 @@ TEST(RemoteTrainingTest, SharedMemoryTrainsBitForBitLikeMessages) {
     EXPECT_EQ(va->loss, vb->loss);
   }
   EXPECT_EQ(regions(), before);
+}
+
+// Micro-batches at once (one's dense work beside another's expert calls)
+// train bit for bit like one at a time: the routers' state, the groups'
+// gradient sums and the dense gradient sum all change in micro-batch order.
+TEST(RemoteTrainingTest, MicroBatchesAtOnceTrainBitForBitLikeOneAtATime) {
+  for (const EquivalenceParam& method :
+       {EquivalenceParam{router::RoutingMethod::kHiMoe, 0.1},
+        EquivalenceParam{router::RoutingMethod::kLossFree, 0}}) {
+    TrainerOptions o = SmallOptions(method.first);
+    o.model.routing.target_expert_cv = method.second;
+    o.grad_accum = 3;
+    o.shared_memory = true;
+    ExpertCluster cluster(o, /*shared_memory=*/true);
+    std::vector<double> losses[3], norms[3];
+    std::map<std::string, at::Tensor> params[3];
+    double val[3] = {};
+    for (int in_flight = 1; in_flight <= 3; ++in_flight) {
+      const std::string run = absl::StrCat(router::RoutingMethodName(method.first), ", ",
+                                           in_flight, " in flight");
+      o.micro_batches_in_flight = in_flight;
+      auto t = Trainer::Create(cluster.Remote(o));
+      ASSERT_TRUE(t.ok()) << run << ": " << t.status();
+      ASSERT_EQ((*t)->micro_batches_in_flight(), in_flight) << run;
+      for (int step = 0; step < 3; ++step) {
+        auto r = (*t)->Step();
+        ASSERT_TRUE(r.ok()) << run << ": " << r.status();
+        losses[in_flight - 1].push_back(r->loss);
+        norms[in_flight - 1].push_back(r->grad_norm);
+      }
+      EXPECT_EQ(*(*t)->experts().PendingSaved(), 0) << run;
+      params[in_flight - 1] = AllParameters(**t);
+      auto v = (*t)->Evaluate();
+      ASSERT_TRUE(v.ok()) << run << ": " << v.status();
+      val[in_flight - 1] = v->loss;
+    }
+    for (int i = 1; i < 3; ++i) {
+      SCOPED_TRACE(absl::StrCat(router::RoutingMethodName(method.first), ", ", i + 1,
+                                " in flight against 1"));
+      EXPECT_EQ(losses[i], losses[0]);
+      EXPECT_EQ(norms[i], norms[0]);
+      EXPECT_EQ(val[i], val[0]);
+      ASSERT_EQ(params[i].size(), params[0].size());
+      for (const auto& [name, tensor] : params[0]) {
+        ASSERT_TRUE(params[i].count(name)) << name;
+        EXPECT_TRUE(at::equal(tensor, params[i].at(name))) << name;
+      }
+    }
+  }
+}
+
+// In process, micro-batches run one at a time (both cores already compute).
+TEST(TrainerTest, InProcessMicroBatchesRunOneAtATime) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  o.micro_batches_in_flight = 2;
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->micro_batches_in_flight(), 1);
+  o.micro_batches_in_flight = 0;
+  const auto bad = Trainer::Create(o);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("micro_batches_in_flight >= 1"));
 }
 
 TEST(RemoteTrainingTest, SharedMemoryToServicesWithoutItFailsNamingTheFlag) {
