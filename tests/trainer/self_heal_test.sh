@@ -2,7 +2,9 @@
 # Self-healing training (--on_group_failure=wait_and_resume, the default with
 # --experts=local): an expert process killed mid-run is started again, the
 # run reloads its last checkpoint and goes on, and its final weights equal
-# those of an uninterrupted run with the same seed.
+# those of an uninterrupted run with the same seed. Two micro-batches a step,
+# run at once (--micro_batches_in_flight's default): the kill finds calls of
+# both in flight.
 set -euo pipefail
 trainer="${HIMOE_BUILD_DIR}/trainer/himoe-trainer"
 out="$(mktemp -d)"
@@ -13,7 +15,7 @@ cleanup() {
 }
 trap cleanup EXIT
 flags=(--experts=local --n_layer 2 --d_model 32 --d_ff 64 --dense_ff 64 --n_head 2
-       --block_size 32 --batch_size 4 --steps 24 --eval_every 8 --eval_windows 4
+       --block_size 32 --batch_size 4 --grad_accum 2 --steps 24 --eval_every 8 --eval_windows 4
        --checkpoint_every 4 --keep_checkpoints 10 --log_every 100 --blas_probe=false)
 
 "${trainer}" "${flags[@]}" --out_dir "${out}/healed" 2>"${out}/healed.log" &
