@@ -579,6 +579,10 @@ absl::Status Run() {
     log.reset();
     trainer.reset();
     HIMOE_ASSIGN_OR_RETURN(trainer, Trainer::Create(o));
+    if (trainer->micro_batches_in_flight() > 1) {
+      std::cerr << "micro-batches: " << trainer->micro_batches_in_flight() << " of each step's "
+                << o.grad_accum << " at once (--micro_batches_in_flight)\n";
+    }
     if (resume) {
       HIMOE_ASSIGN_OR_RETURN(const std::string dir, model::LatestCheckpoint(checkpoints));
       HIMOE_RETURN_IF_ERROR(LoadCheckpoint(*trainer, dir));

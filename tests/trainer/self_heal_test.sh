@@ -34,6 +34,7 @@ wait "${pid}" || status=$?
 pid=""
 cat "${out}/healed.log"
 test "${status}" -eq 0
+grep -q "micro-batches: 2 of each step's 2 at once" "${out}/healed.log"
 grep -q "expert group failure at step" "${out}/healed.log"
 grep -q "restarted expert group(s) 1" "${out}/healed.log"
 # From the newest checkpoint before the failure (step 4, or 8 when the kill
