@@ -94,6 +94,13 @@ absl::Status TensorSink::Encode(const at::Tensor& tensor, v1::Tensor* out) {
   return absl::OkStatus();
 }
 
+void TensorSink::NameRest(v1::SharedMemorySlice* slice) const {
+  if (region_ == nullptr) return;
+  slice->set_region(region_->name());
+  slice->set_offset(next_);
+  slice->set_byte_size(end_ > next_ ? end_ - next_ : 0);
+}
+
 absl::Status AppendExpertRuns(const at::Tensor& rows, const std::vector<int64_t>& experts,
                               int64_t begin, int64_t end, ExpertRowsList* out,
                               TensorSink* sink) {

@@ -56,8 +56,9 @@ class TensorSink {
                                            SharedMemoryLookup* shared, absl::string_view field);
 
   absl::Status Encode(const at::Tensor& tensor, v1::Tensor* out);
-  // The first free offset (past the last tensor placed in the slice).
-  uint64_t next() const { return next_; }
+  // Client side: names the rest of the region, past the tensors placed so
+  // far, as the answer's slice; leaves `slice` alone when inline.
+  void NameRest(v1::SharedMemorySlice* slice) const;
 
  private:
   std::shared_ptr<SharedMemoryRegion> region_;

@@ -1,5 +1,6 @@
 #include "trainer/expert_backend.h"
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <map>
@@ -344,17 +345,10 @@ class RemoteBackend final : public ExpertBackend {
     std::lock_guard<std::mutex> lock(memory_mu_);
     if (shared_memory_failed_) return nullptr;
     std::vector<GroupMemory::Slot>& slots = memory_[group].slots;
-    GroupMemory::Slot* slot = nullptr;
-    for (GroupMemory::Slot& s : slots) {
-      if (!s.leased) {
-        slot = &s;
-        break;
-      }
-    }
-    if (slot == nullptr) {
-      if (slots.size() >= kMaxRegionsPerGroup) return nullptr;
-      slot = &slots.emplace_back();
-    }
+    auto free = std::find_if(slots.begin(), slots.end(),
+                             [](const GroupMemory::Slot& s) { return !s.leased; });
+    if (free == slots.end() && slots.size() >= kMaxRegionsPerGroup) return nullptr;
+    GroupMemory::Slot* slot = free != slots.end() ? &*free : &slots.emplace_back();
     if (slot->region == nullptr || slot->region->size() < bytes) {
       // Whole MiB, and twice the last size, so a growing batch remaps rarely.
       constexpr uint64_t kMiB = 1 << 20;
@@ -517,14 +511,6 @@ class Leases {
   bool ok_ = false;
 };
 
-// The answer's slice: the region past the request's bytes.
-void SetOutputSlice(const SharedMemoryRegion& region, uint64_t request_end,
-                    v1::SharedMemorySlice* slice) {
-  slice->set_region(region.name());
-  slice->set_offset(request_end);
-  slice->set_byte_size(region.size() - request_end);
-}
-
 absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
     RemoteCall& call, const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& ids,
     bool save) {
@@ -551,9 +537,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
       expert::TensorSink sink(leases[i]);
       HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(wire, experts, 0, rows[i].size(0),
                                                      r.mutable_inputs(), &sink));
-      if (leases[i] != nullptr) {
-        SetOutputSlice(*leases[i], sink.next(), r.mutable_output_slice());
-      }
+      sink.NameRest(r.mutable_output_slice());
     }
   }
   {
@@ -617,9 +601,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
         HIMOE_RETURN_IF_ERROR(sink.Encode(part, out->mutable_rows()));
         row += run_rows[k];
       }
-      if (leases[i] != nullptr) {
-        SetOutputSlice(*leases[i], sink.next(), r.mutable_output_slice());
-      }
+      sink.NameRest(r.mutable_output_slice());
     }
   }
   {

@@ -179,6 +179,25 @@ void AddMicroBatch(model::ModelOutput out, const at::Tensor& loss, int64_t token
   r.layers = std::move(out.stats);
 }
 
+// Adds `grads` to the parameters' .grad as backward() would have (the
+// first one taken as it is, in the parameter's layout and not a view, since
+// zero_grad detaches in place).
+void AccumulateGradients(const std::vector<at::Tensor>& params,
+                         const std::vector<at::Tensor>& grads) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!grads[i].defined()) continue;
+    at::Tensor& grad = params[i].mutable_grad();
+    if (grad.defined()) {
+      grad.add_(grads[i]);
+    } else if (!grads[i].is_view() && grads[i].strides() == params[i].strides()) {
+      grad = grads[i];
+    } else {
+      grad = at::empty_like(params[i]).copy_(grads[i]);
+    }
+  }
+}
+
 }  // namespace
 
 absl::Status Trainer::MicroBatchesAtOnce(uint64_t step, StepResult& r) {
@@ -211,21 +230,7 @@ absl::Status Trainer::MicroBatchesAtOnce(uint64_t step, StepResult& r) {
                                   /*retain_graph=*/false, /*create_graph=*/false,
                                   /*allow_unused=*/true);
         HIMOE_RETURN_IF_ERROR(turns_->Wait(Turn::kGradientSum, 0, id));
-        {
-          at::NoGradGuard no_grad;
-          for (size_t i = 0; i < params.size(); ++i) {
-            if (!grads[i].defined()) continue;
-            at::Tensor& grad = params[i].mutable_grad();
-            if (grad.defined()) {
-              grad.add_(grads[i]);
-            } else if (!grads[i].is_view() && grads[i].strides() == params[i].strides()) {
-              grad = grads[i];
-            } else {
-              // The parameter's own layout, and no view (zero_grad detaches in place).
-              grad = at::empty_like(params[i]).copy_(grads[i]);
-            }
-          }
-        }
+        AccumulateGradients(params, grads);
         AddMicroBatch(std::move(out), loss, batches[mb].x.numel(), accum, r);
         turns_->Pass(Turn::kGradientSum, 0, id);
         return absl::OkStatus();
