@@ -68,6 +68,7 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
   if (m.num_layers() == 0) m.set_num_layers(1);
   if (m.top_k() == 0) m.set_top_k(1);
   if (m.expert_dtype().empty()) m.set_expert_dtype("float32");
+  if (m.matmul_dtype().empty()) m.set_matmul_dtype("float32");
   if (m.num_groups() == 0) m.set_num_groups(c.groups_size());
   if (c.routing().method().empty()) c.mutable_routing()->set_method("himoe");
   if (c.routing().preset().empty()) c.mutable_routing()->set_preset("paper");
@@ -98,6 +99,10 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
   if (m.expert_dtype() != "float32" && m.expert_dtype() != "bfloat16") {
     return Invalid(origin, absl::StrCat("model.expert_dtype must be float32 or bfloat16, got '",
                                         m.expert_dtype(), "'"));
+  }
+  if (m.matmul_dtype() != "float32" && m.matmul_dtype() != "bfloat16") {
+    return Invalid(origin, absl::StrCat("model.matmul_dtype must be float32 or bfloat16, got '",
+                                        m.matmul_dtype(), "'"));
   }
   if (r.wire_dtype() != "float32" && r.wire_dtype() != "bfloat16") {
     return Invalid(origin, absl::StrCat("router.wire_dtype must be float32 or bfloat16, got '",

@@ -39,6 +39,7 @@
 #include "absl/strings/strip.h"
 #include "common/file_util.h"
 #include "common/linear.h"
+#include "common/matmul.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
@@ -168,16 +169,25 @@ void ChooseSmallProducts(ComputeSetup& setup) {
   SetRowwiseLinearRows(setup.rowwise_linear_rows);
 }
 
-// Best rate of a @ b over repeated products for about `seconds`.
-double TimeGemm(const at::Tensor& a, const at::Tensor& b, double seconds) {
+// Best rate of a @ b over repeated products for about `seconds`; with
+// `bf16`, MatmulBf16Out's products.
+double TimeGemm(const at::Tensor& a, const at::Tensor& b, double seconds, bool bf16 = false) {
   const double flops = 2.0 * a.size(0) * a.size(1) * b.size(1);
   at::Tensor c = at::mm(a, b);  // warm-up: packing buffers, thread start
+  const auto product = [&] {
+    if (bf16) {
+      MatmulBf16Out(c, a, b, 0.0f);
+    } else {
+      at::mm_out(c, a, b);
+    }
+  };
+  product();
   double best = 0;
   const auto start = std::chrono::steady_clock::now();
   int reps = 0;
   while (reps < 3 || Seconds(start) < seconds) {
     const auto t0 = std::chrono::steady_clock::now();
-    at::mm_out(c, a, b);
+    product();
     best = std::max(best, flops / Seconds(t0) / 1e9);
     ++reps;
   }
@@ -206,16 +216,19 @@ double MaxGemmError(const at::Tensor& a, const at::Tensor& b,
 // Runs in a probe's child: times a product of `rows` x `inner` x `cols` on
 // `threads` threads and checks the result; "OK <GFLOP/s>" or "ERR <why>".
 std::string RunGemmProbe(int threads, int64_t rows, int64_t inner, int64_t cols,
-                         double seconds) {
+                         double seconds, bool bf16 = false) {
   try {
     at::set_num_threads(threads);
     const at::Tensor a = ProbeMatrix(rows, inner);
     const at::Tensor b = ProbeMatrix(inner, cols);
-    const double gflops = TimeGemm(a, b, seconds);
+    const double gflops = TimeGemm(a, b, seconds, bf16);
     // Each entry sums `inner` products of N(0,1) values (|c| ~ 16 for 256),
-    // float error ~1e-5 relative; a wrong kernel is off by O(1).
-    const double error = MaxGemmError(a, b, at::mm(a, b), 16, cols);
-    if (!(error < 1e-2)) {
+    // float error ~1e-5 relative, bf16 operands' ~4e-3; a wrong kernel is
+    // off by O(|c|).
+    at::Tensor c = at::mm(a, b);
+    if (bf16) MatmulBf16Out(c, a, b, 0.0f);
+    const double error = MaxGemmError(a, b, c, 16, cols);
+    if (!(error < (bf16 ? 1.0 : 1e-2))) {
       return absl::StrFormat("ERR wrong result: max error %g", error);
     }
     return absl::StrFormat("OK %.3f", gflops);
@@ -430,13 +443,13 @@ constexpr char kGemmProbeEnv[] = "HIMOE_GEMM_RATE_PROBE";
 
 // The GEMM rate on other thread counts than this process's needs a process
 // whose OpenMP and BLIS start fresh: this program, started again with
-// HIMOE_GEMM_RATE_PROBE="<threads> <fd>", answers on fd <fd> from a static
-// initializer (RunGemmRateProbeIfAsked) and exits before main.
-absl::StatusOr<double> GemmRateInFreshProcess(int threads, int blas_threads) {
+// HIMOE_GEMM_RATE_PROBE="<threads> <fd> <bf16 0|1>", answers on fd <fd> from
+// a static initializer (RunGemmRateProbeIfAsked) and exits before main.
+absl::StatusOr<double> GemmRateInFreshProcess(int threads, int blas_threads, bool bf16) {
   int fds[2];
   if (pipe(fds) != 0) return absl::InternalError("GEMM rate probe: pipe failed");
   fcntl(fds[0], F_SETFD, FD_CLOEXEC);
-  const std::string request = absl::StrCat(threads, " ", fds[1]);
+  const std::string request = absl::StrCat(threads, " ", fds[1], " ", bf16 ? 1 : 0);
   const pid_t pid = fork();
   if (pid < 0) {
     close(fds[0]);
@@ -468,13 +481,14 @@ absl::StatusOr<double> GemmRateInFreshProcess(int threads, int blas_threads) {
 bool RunGemmRateProbeIfAsked() {
   const char* request = std::getenv(kGemmProbeEnv);
   if (request == nullptr) return false;
-  int threads = 0, fd = -1;
+  int threads = 0, fd = -1, bf16 = 0;
   const std::vector<std::string> parts = absl::StrSplit(request, ' ');
-  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &threads) ||
-      !absl::SimpleAtoi(parts[1], &fd)) {
+  if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &threads) ||
+      !absl::SimpleAtoi(parts[1], &fd) || !absl::SimpleAtoi(parts[2], &bf16)) {
     _exit(2);
   }
-  const std::string answer = RunGemmProbe(threads, 1024, 1024, 1024, kGemmRateSeconds);
+  const std::string answer =
+      RunGemmProbe(threads, 1024, 1024, 1024, kGemmRateSeconds, bf16 != 0);
   ssize_t ignored = write(fd, answer.data(), answer.size());
   (void)ignored;
   _exit(0);
@@ -558,8 +572,8 @@ absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options) {
     setup.gemm_gflops = options.gemm_gflops;
   } else if (options.gemm_gflops == 0 && setup.gemm_threads == setup.threads) {
     HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-      setup.gemm_gflops =
-          TimeGemm(ProbeMatrix(1024, 1024), ProbeMatrix(1024, 1024), kGemmRateSeconds);
+      setup.gemm_gflops = TimeGemm(ProbeMatrix(1024, 1024), ProbeMatrix(1024, 1024),
+                                   kGemmRateSeconds, options.bf16_products);
       return absl::OkStatus();
     }));
   } else if (options.gemm_gflops == 0) {
@@ -567,13 +581,15 @@ absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options) {
                            GemmRateInFreshProcess(setup.gemm_threads,
                                                   setup.blas_threads < setup.threads
                                                       ? 1
-                                                      : setup.gemm_threads));
+                                                      : setup.gemm_threads,
+                                                  options.bf16_products));
   }
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     ChooseSmallProducts(setup);
     return absl::OkStatus();
   }));
-  setup.vector_peak_gflops = VectorPeakGflops(setup.gemm_threads);
+  setup.gemm_bf16 = options.bf16_products;
+  if (!setup.gemm_bf16) setup.vector_peak_gflops = VectorPeakGflops(setup.gemm_threads);
   return setup;
 }
 
@@ -637,8 +653,12 @@ std::string ComputeSetup::Summary() const {
                               : std::string("GEMM"));
   }
   if (gemm_gflops > 0) {
-    absl::StrAppendFormat(&line, "; GEMM rate %.1f GFLOP/s on %d threads", gemm_gflops,
-                          gemm_threads);
+    absl::StrAppendFormat(&line, "; GEMM rate %.1f GFLOP/s on %d threads%s", gemm_gflops,
+                          gemm_threads,
+                          gemm_bf16 ? absl::StrCat(" (bf16 operands, ",
+                                                   Bf16GemmNative() ? "oneDNN" : "rounded, BLAS",
+                                                   ")")
+                                    : std::string());
     if (vector_peak_gflops > 0) {
       absl::StrAppendFormat(&line,
                             " (%.0f%% of %.0f, the vector units' peak at the clock "

@@ -34,6 +34,9 @@ struct ComputeOptions {
   // thread, rather than one after another, each split across the threads
   // (SetParallelForEnabled).
   bool split_products = true;
+  // The run's products take bfloat16 operands (MatmulBf16Out): the GEMM rate
+  // is measured on those, and the fp32 vector peak is not compared.
+  bool bf16_products = false;
 };
 
 // One kernel set timed by the probe.
@@ -54,7 +57,8 @@ struct ComputeSetup {
   // A [2048,128]x[128,512] product with 1 and with `threads` BLAS threads;
   // timed for BLIS's pthreads build only.
   std::vector<double> blas_thread_gflops;
-  double gemm_gflops = 0;         // large fp32 GEMMs on `gemm_threads` threads
+  double gemm_gflops = 0;         // large GEMMs on `gemm_threads` threads
+  bool gemm_bf16 = false;         // ... of bf16 operands (ComputeOptions::bf16_products)
   // A [4,256]x[256,1024] product as one GEMM and as SmallRowsLinear (microseconds,
   // best of several), and the RowwiseLinearRows() chosen from them.
   double small_gemm_us = 0, small_rows_us = 0;

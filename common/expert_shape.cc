@@ -29,6 +29,12 @@ absl::Status ValidateExpertShape(const v1::ExpertShape& s) {
     return absl::InvalidArgumentError(absl::StrCat(
         "expert shape: dtype must be float32 or bfloat16, got ", v1::DType_Name(s.dtype())));
   }
+  if (s.matmul_dtype() != v1::DTYPE_UNSPECIFIED && s.matmul_dtype() != v1::DTYPE_FLOAT32 &&
+      s.matmul_dtype() != v1::DTYPE_BFLOAT16) {
+    return absl::InvalidArgumentError(absl::StrCat("expert shape: matmul_dtype must be float32 or ",
+                                                   "bfloat16, got ",
+                                                   v1::DType_Name(s.matmul_dtype())));
+  }
   if (!v1::WeightInit_IsValid(s.init())) return invalid("init", "default or switch", s.init());
   if (s.init() == v1::WEIGHT_INIT_SWITCH && s.n_layer() < 1) {
     return invalid("n_layer", ">= 1 (the transformer's depth) under init switch", s.n_layer());
@@ -51,6 +57,7 @@ v1::ExpertShape ExpertShapeFromCluster(const v1::ClusterConfig& cluster) {
   s.set_init(ParseWeightInit(m.init().empty() ? "default" : m.init())
                  .value_or(static_cast<v1::WeightInit>(-1)));
   s.set_n_layer(m.n_layer());
+  if (m.matmul_dtype() == "bfloat16") s.set_matmul_dtype(v1::DTYPE_BFLOAT16);
   return s;
 }
 
@@ -105,6 +112,10 @@ std::string FieldValue(const v1::ExpertShape& s, const google::protobuf::FieldDe
       if (f->enum_type() == v1::WeightInit_descriptor()) {
         return WeightInitName(static_cast<v1::WeightInit>(r->GetEnumValue(s, f)));
       }
+      if (f->number() == v1::ExpertShape::kMatmulDtypeFieldNumber &&
+          r->GetEnumValue(s, f) == v1::DTYPE_UNSPECIFIED) {
+        return "float32";  // unset: the products in the weights' dtype
+      }
       return ExpertDtypeName(static_cast<v1::DType>(r->GetEnumValue(s, f)));
     default:
       return "?";
@@ -134,6 +145,7 @@ std::string ExpertShapeDebugString(const v1::ExpertShape& s) {
   return absl::StrCat("N=", s.num_experts(), " M=", s.num_groups(), " layers=", s.num_layers(),
                       " d_model=", s.d_model(), " d_ff=", s.d_ff(), " seed=", s.seed(), " ",
                       ExpertDtypeName(s.dtype()),
+                      s.matmul_dtype() == v1::DTYPE_BFLOAT16 ? " matmul=bfloat16" : "",
                       s.init() == v1::WEIGHT_INIT_DEFAULT
                           ? ""
                           : absl::StrCat(" init=", WeightInitName(s.init()), " n_layer=",

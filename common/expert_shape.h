@@ -13,8 +13,8 @@ namespace himoe {
 
 // The one place that knows which values an ExpertShape may hold.
 // InvalidArgument naming the field: N, M >= 1, M divides N, num_layers,
-// d_model, d_ff >= 1, dtype FLOAT32 or BFLOAT16, n_layer >= 1 under
-// WEIGHT_INIT_SWITCH.
+// d_model, d_ff >= 1, dtype FLOAT32 or BFLOAT16, matmul_dtype unset, FLOAT32
+// or BFLOAT16, n_layer >= 1 under WEIGHT_INIT_SWITCH.
 absl::Status ValidateExpertShape(const v1::ExpertShape& shape);
 
 // The cluster file's model section as an ExpertShape (not validated).
@@ -34,8 +34,8 @@ std::string WeightInitName(v1::WeightInit init);
 absl::Status CheckExpertShape(const v1::ExpertShape& expected, const v1::ExpertShape& served,
                               absl::string_view where);
 
-// "N=8 M=4 layers=2 d_model=64 d_ff=256 seed=0 float32", then
-// " init=switch n_layer=4" under WEIGHT_INIT_SWITCH.
+// "N=8 M=4 layers=2 d_model=64 d_ff=256 seed=0 float32", then " matmul=bfloat16"
+// with bf16 products and " init=switch n_layer=4" under WEIGHT_INIT_SWITCH.
 std::string ExpertShapeDebugString(const v1::ExpertShape& shape);
 
 }  // namespace himoe

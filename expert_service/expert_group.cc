@@ -16,6 +16,7 @@
 #include "common/expert_shape.h"
 #include "common/gelu.h"
 #include "common/linear.h"
+#include "common/matmul.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
@@ -55,19 +56,36 @@ int ChunksFor(const at::Tensor& x) {
 enum { kW1, kB1, kW2, kB2 };
 struct FfnBackward {
   std::vector<std::vector<RowPiece>> plan;
-  at::Tensor x, w1, w2, h, a, gy, gx;
+  // x, a, w1q, w2q, gyq: the products' operands (bfloat16 copies with bf16).
+  at::Tensor x, w1, w2, w1q, w2q, h, a, gy, gyq, gx;
   bool need_x = false;
+  bool bf16 = false;  // the products on bfloat16-rounded operands (MatmulBf16Out)
   std::array<bool, 4> need{};  // kW1..kB2
-  std::vector<std::vector<at::Tensor>> gh;  // [chunk][piece]: grad of h
+  std::vector<std::vector<at::Tensor>> gh;   // [chunk][piece]: grad of h
+  std::vector<std::vector<at::Tensor>> ghq;  // ... as a product operand
+
+  void MmOut(at::Tensor& out, const at::Tensor& m1, const at::Tensor& m2) const {
+    if (bf16) {
+      MatmulBf16Out(out, m1, m2, 0.0f);
+    } else {
+      at::mm_out(out, m1, m2);
+    }
+  }
 
   void RowsGrad(size_t t, size_t i) {
     const RowPiece& p = plan[t][i];
     if (!need_x && !need[kW1] && !need[kB1]) return;
-    gh[t][i] = at::mm(gy.narrow(0, p.begin, p.count), w2[p.expert]);
+    if (bf16) {
+      gh[t][i] = at::empty({p.count, w2.size(2)}, gy.options());
+      MmOut(gh[t][i], gyq.narrow(0, p.begin, p.count), w2q[p.expert]);
+    } else {
+      gh[t][i] = at::mm(gy.narrow(0, p.begin, p.count), w2[p.expert]);
+    }
     GeluBackwardOut(gh[t][i], gh[t][i], h.narrow(0, p.begin, p.count));
+    ghq[t][i] = bf16 ? gh[t][i].to(at::kBFloat16) : gh[t][i];
     if (need_x) {
       at::Tensor o = gx.narrow(0, p.begin, p.count);
-      at::mm_out(o, gh[t][i], w1[p.expert]);
+      MmOut(o, ghq[t][i], w1q[p.expert]);
     }
   }
 
@@ -95,18 +113,17 @@ struct FfnBackward {
           part[k] = at::empty_like(g[k][p.expert]);
           return part[k];
         };
-        const at::Tensor gy_s = gy.narrow(0, p.begin, p.count);
         if (need[kW2]) {
           at::Tensor o = out(kW2);
-          at::mm_out(o, gy_s.t(), a.narrow(0, p.begin, p.count));
+          MmOut(o, gyq.narrow(0, p.begin, p.count).t(), a.narrow(0, p.begin, p.count));
         }
         if (need[kB2]) {
           at::Tensor o = out(kB2);
-          at::sum_out(o, gy_s, at::IntArrayRef{0});
+          at::sum_out(o, gy.narrow(0, p.begin, p.count), at::IntArrayRef{0});
         }
         if (need[kW1]) {
           at::Tensor o = out(kW1);
-          at::mm_out(o, gh[t][i].t(), x.narrow(0, p.begin, p.count));
+          MmOut(o, ghq[t][i].t(), x.narrow(0, p.begin, p.count));
         }
         if (need[kB1]) {
           at::Tensor o = out(kB1);
@@ -136,17 +153,27 @@ thread_local DeferredWeightGrads* tls_weight_grad_sink = nullptr;
 // whose rows two threads share sums its weight gradients after the join.
 // The worker threads take the caller's thread-local state (grad mode,
 // dispatch keys). Under a DeferWeightGradsScope the backward returns the
-// rows' gradient and leaves the weight gradients to the scope's sink.
+// rows' gradient and leaves the weight gradients to the scope's sink. With
+// `bf16`, every product forward and backward is MatmulBf16Out's, each
+// operand rounded once: the rows, the weights and the GELU's output in
+// forward (saved so), the incoming gradient and h's in backward.
 class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
-                            const at::Tensor& b2, std::vector<int64_t> counts) {
+                            const at::Tensor& b2, std::vector<int64_t> counts, bool bf16) {
     const auto plan = PlanRowChunks(counts, ChunksFor(x), kMinRowPiece);
     const int64_t d_ff = w1.size(1);
     at::Tensor h = at::empty({x.size(0), d_ff}, x.options());
     at::Tensor a = at::empty_like(h);
     at::Tensor y = at::empty({x.size(0), w2.size(1)}, x.options());
+    at::Tensor xq = x, w1q, w2q, aq = a;  // the products' operands
+    if (bf16) {
+      xq = x.to(at::kBFloat16);
+      w1q = w1.to(at::kBFloat16);
+      w2q = w2.to(at::kBFloat16);
+      aq = at::empty_like(h, at::kBFloat16);
+    }
     const at::ThreadLocalState caller;  // grad mode off, as Function::forward set it
     ParallelFor(static_cast<int64_t>(plan.size()), ThreadsFor(x), [&](int64_t t) {
       at::ThreadLocalStateGuard same_state(caller);
@@ -156,7 +183,15 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
         at::Tensor h_s = h.narrow(0, p.begin, p.count);
         at::Tensor a_s = a.narrow(0, p.begin, p.count);
         at::Tensor y_s = y.narrow(0, p.begin, p.count);
-        if (p.count < RowwiseLinearRows()) {  // Linear's GEMVs
+        if (bf16) {
+          at::Tensor aq_s = aq.narrow(0, p.begin, p.count);
+          h_s.copy_(b1[s]);
+          MatmulBf16Out(h_s, xq.narrow(0, p.begin, p.count), w1q[s].t(), 1.0f);
+          GeluOut(a_s, h_s);
+          aq_s.copy_(a_s);
+          y_s.copy_(b2[s]);
+          MatmulBf16Out(y_s, aq_s, w2q[s].t(), 1.0f);
+        } else if (p.count < RowwiseLinearRows()) {  // Linear's GEMVs
           h_s.copy_(Linear(x_s, w1[s], b1[s]));
           GeluOut(a_s, h_s);
           y_s.copy_(Linear(a_s, w2[s], b2[s]));
@@ -167,8 +202,9 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
         }
       }
     });
-    ctx->save_for_backward({x, w1, w2, h, a, b1, b2});
+    ctx->save_for_backward({xq, w1, w2, h, aq, b1, b2, w1q, w2q});
     ctx->saved_data["counts"] = std::move(counts);
+    ctx->saved_data["bf16"] = bf16;
     return y;
   }
 
@@ -177,24 +213,32 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     auto work = std::make_shared<FfnBackward>();
     FfnBackward& w = *work;
+    w.bf16 = ctx->saved_data["bf16"].toBool();
     w.x = saved[0];
     w.w1 = saved[1];
     w.w2 = saved[2];
     w.h = saved[3];
     w.a = saved[4];
+    w.w1q = w.bf16 ? saved[7] : w.w1;
+    w.w2q = w.bf16 ? saved[8] : w.w2;
     w.plan = PlanRowChunks(ctx->saved_data["counts"].toIntVector(), ChunksFor(w.x), kMinRowPiece);
     w.gy = grads[0].contiguous();
+    w.gyq = w.bf16 ? w.gy.to(at::kBFloat16) : w.gy;
     w.need_x = ctx->needs_input_grad(0);
     w.need = {ctx->needs_input_grad(1), ctx->needs_input_grad(2), ctx->needs_input_grad(3),
               ctx->needs_input_grad(4)};
-    w.gx = w.need_x ? at::empty_like(w.x) : at::Tensor();
+    w.gx = w.need_x ? at::empty(w.x.sizes(), w.h.options()) : at::Tensor();
     w.gh.resize(w.plan.size());
-    for (size_t t = 0; t < w.plan.size(); ++t) w.gh[t].resize(w.plan[t].size());
+    w.ghq.resize(w.plan.size());
+    for (size_t t = 0; t < w.plan.size(); ++t) {
+      w.gh[t].resize(w.plan[t].size());
+      w.ghq[t].resize(w.plan[t].size());
+    }
     DeferredWeightGrads* sink = tls_weight_grad_sink;
     const bool any_weight = std::any_of(w.need.begin(), w.need.end(), [](bool b) { return b; });
     if (sink == nullptr || !any_weight) {
       const std::array<at::Tensor, 4> g = w.Compute(/*rows_too=*/true);
-      return {w.gx, g[kW1], g[kB1], g[kW2], g[kB2], at::Tensor()};
+      return {w.gx, g[kW1], g[kB1], g[kW2], g[kB2], at::Tensor(), at::Tensor()};
     }
     // The rows' gradient now; the weight gradients when the sink runs them,
     // into the parameters (leaves, saved as themselves) as autograd would.
@@ -218,7 +262,8 @@ class GroupedExpertFfn : public torch::autograd::Function<GroupedExpertFfn> {
         }
       }
     });
-    return {w.gx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {w.gx,        at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -333,7 +378,8 @@ absl::StatusOr<at::Tensor> ExpertGroup::Forward(const at::Tensor& rows,
         "], got [", absl::StrJoin(expert_ids.sizes(), ", "), "]"));
   }
   at::Tensor out;
-  if (device_.is_cpu() && rows.size(0) > 0 && rows.size(0) < RowwiseLinearRows()) {
+  if (device_.is_cpu() && !matmul_bf16() && rows.size(0) > 0 &&
+      rows.size(0) < RowwiseLinearRows()) {
     return ForwardFewRows(rows, expert_ids);
   }
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
@@ -354,12 +400,13 @@ absl::StatusOr<at::Tensor> ExpertGroup::Forward(const at::Tensor& rows,
         local.narrow(0, 1, local.numel() - 1).ge(local.narrow(0, 0, local.numel() - 1))
             .all().item<bool>();
     if (sorted) {
-      out = GroupedExpertFfn::apply(x, w1_, b1_, w2_, b2_, counts);
+      out = GroupedExpertFfn::apply(x, w1_, b1_, w2_, b2_, counts, matmul_bf16());
     } else {
       const at::Tensor order =
           std::get<1>(at::sort(local, /*stable=*/c10::optional<bool>(true), 0, false));
       const at::Tensor y =
-          GroupedExpertFfn::apply(x.index_select(0, order), w1_, b1_, w2_, b2_, counts);
+          GroupedExpertFfn::apply(x.index_select(0, order), w1_, b1_, w2_, b2_, counts,
+                                  matmul_bf16());
       out = at::zeros({rows.size(0), d_model()}, x.options()).index_copy(0, order, y);
     }
     return absl::OkStatus();

@@ -47,6 +47,11 @@ class ExpertGroup {
   int layer() const { return layer_; }
   c10::Device device() const { return device_; }
   c10::ScalarType dtype() const { return dtype_; }
+  // Float32 experts whose products take bfloat16-rounded operands
+  // (shape.matmul_dtype, MatmulBf16Out in common/matmul.h).
+  bool matmul_bf16() const {
+    return dtype_ == c10::kFloat && shape_.matmul_dtype() == v1::DTYPE_BFLOAT16;
+  }
   int64_t d_model() const { return shape_.d_model(); }
   int experts_per_group() const { return shape_.num_experts() / shape_.num_groups(); }
   int first_expert() const { return group_id_ * experts_per_group(); }

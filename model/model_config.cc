@@ -85,6 +85,10 @@ absl::Status ValidateModelOptions(const ModelOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model: expert_dtype must be float32 or bfloat16, got ", v1::DType_Name(o.expert_dtype)));
   }
+  if (o.matmul_dtype != v1::DTYPE_FLOAT32 && o.matmul_dtype != v1::DTYPE_BFLOAT16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: matmul_dtype must be float32 or bfloat16, got ", v1::DType_Name(o.matmul_dtype)));
+  }
   if (!v1::WeightInit_IsValid(o.init)) {
     return absl::InvalidArgumentError(
         absl::StrCat("model: init must be default or switch, got ", o.init));
@@ -120,6 +124,7 @@ v1::ExpertShape ExpertShapeFor(const ModelOptions& o) {
   s.set_d_ff(o.d_ff);
   s.set_seed(o.seed);
   s.set_dtype(o.expert_dtype);
+  if (o.matmul_dtype == v1::DTYPE_BFLOAT16) s.set_matmul_dtype(o.matmul_dtype);
   if (o.init != v1::WEIGHT_INIT_DEFAULT) {
     s.set_init(o.init);
     s.set_n_layer(o.n_layer);

@@ -25,6 +25,11 @@ struct ModelOptions {
   router::RoutingConfig routing;
   uint64_t seed = 1;
   v1::DType expert_dtype = v1::DTYPE_FLOAT32;  // or DTYPE_BFLOAT16
+  // DTYPE_BFLOAT16: the products of the experts and of the attention
+  // projections take bfloat16-rounded operands and sum in float32
+  // (MatmulBf16Out); weights, gradients and optimizer state stay float32.
+  // A training setting: checkpoints do not record it.
+  v1::DType matmul_dtype = v1::DTYPE_FLOAT32;
   // Fresh weights: the model's, the gates' and the experts' (v1::WeightInit).
   v1::WeightInit init = v1::WEIGHT_INIT_DEFAULT;
 };

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/linear.h"
+#include "common/matmul.h"
 #include "model/attention.h"
 #include "common/profile_scope.h"
 #include "common/status_macros.h"
@@ -104,7 +105,14 @@ absl::StatusOr<std::shared_ptr<TransformerLM>> TransformerLM::Create(const Model
 
 at::Tensor TransformerLM::Attention(Block& b, const at::Tensor& x) {
   HIMOE_PROFILE_SCOPE("attention");
-  return b.proj->forward(CausalSelfAttention(b.qkv->forward(x), options_.n_head));
+  return Project(b.proj, CausalSelfAttention(Project(b.qkv, x), options_.n_head));
+}
+
+at::Tensor TransformerLM::Project(torch::nn::Linear& linear, const at::Tensor& x) {
+  if (options_.matmul_dtype == v1::DTYPE_BFLOAT16) {
+    return LinearBf16(x, linear->weight, linear->bias);
+  }
+  return linear->forward(x);
 }
 
 std::unique_ptr<KvCachePool> TransformerLM::NewKvCachePool() const {
@@ -328,11 +336,14 @@ absl::StatusOr<ModelOutput> TransformerLM::Forward(const at::Tensor& idx, const 
         x = x + y;
       } else {
         HIMOE_PROFILE_SCOPE("dense FFN");
-        x = x + b.fc_out->forward(at::gelu(b.fc->forward(n)));
+        x = x + Project(b.fc_out, at::gelu(Project(b.fc, n)));
       }
     }
     HIMOE_PROFILE_SCOPE("LM head, loss");
-    out.logits = at::linear(ln_f_->forward(x), wte_->weight);  // tied head
+    const at::Tensor head_in = ln_f_->forward(x);  // the head is tied to wte
+    out.logits = options_.matmul_dtype == v1::DTYPE_BFLOAT16
+                     ? LinearBf16(head_in, wte_->weight, at::Tensor())
+                     : at::linear(head_in, wte_->weight);
     if (targets.defined()) {
       out.task_loss = at::cross_entropy_loss(out.logits.view({-1, options_.vocab_size}),
                                              targets.reshape(-1));

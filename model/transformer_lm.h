@@ -79,6 +79,8 @@ class TransformerLM : public torch::nn::Module {
 
   TransformerLM(const ModelOptions& options, MoELayers* moe);
   at::Tensor Attention(Block& block, const at::Tensor& x);
+  // linear(x), through LinearBf16 under matmul_dtype bfloat16.
+  at::Tensor Project(torch::nn::Linear& linear, const at::Tensor& x);
   // Attention cores (before the output projection) against block `index`'s
   // keys and values in `pool`, which already hold the new rows. One
   // sequence's n new queries q [n, C] at positions past..past+n-1; [n, C].

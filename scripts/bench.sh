@@ -19,7 +19,9 @@
 # peak RSS of the coordinator and the expert processes. Then the released
 # config with 2 micro-batches a step (accum2): in process, and in 4 expert
 # processes with the 2 micro-batches at once (the default) and one at a time.
-# --rounds R runs the nine R times round-robin (a VM's drift then falls on
+# Then the released config with bf16 products (--matmul_dtype bfloat16; its
+# MFU is against the bf16 GEMM rate), in process and in 4 expert processes.
+# --rounds R runs them all R times round-robin (a VM's drift then falls on
 # every run) and reports
 # each run's median round and every round's ratios. Writes
 # <out>/train_bench.md (the README's table) and the runs' metrics.jsonl.
@@ -178,17 +180,19 @@ declare -A CONFIGS=(
   [released]="${released}"
   [main]=""
   [accum2]="${released} --grad_accum 2"
+  [bf16]="${released} --matmul_dtype bfloat16"
 )
 # serial: 4 local expert processes, one micro-batch at a time.
 declare -A RUNS=(
   [released]="inprocess:0 inprocess:1 local:0"
   [main]="inprocess:0 inprocess:1 local:0"
   [accum2]="inprocess:0 local:0 serial:0"
+  [bf16]="inprocess:0 local:0"
 )
 [[ "${rounds}" =~ ^[1-9][0-9]*$ ]] || { echo "bench: --rounds must be a positive integer" >&2; exit 2; }
 runs=()
 for round in $(seq 1 "${rounds}"); do
-  for config in released main accum2; do
+  for config in released main accum2 bf16; do
     for run in ${RUNS[${config}]}; do
       experts="${run%%:*}" threads="${run##*:}"
       name="${config}-${experts}-t${threads}"

@@ -93,7 +93,8 @@ def main():
     rates = {}
     for g in groups.values():
         for x in g.values():
-            rates.setdefault(x["compute"]["gemm_threads"], []).append(x["gemm"])
+            rates.setdefault((x["compute"]["gemm_threads"], x["compute"].get("gemm_bf16", False)),
+                             []).append(x["gemm"])
     cores = os.cpu_count()
     lines = [
         f"Measured {datetime.date.today().isoformat()} on {cpu_model()}, {cores} cores; "
@@ -101,8 +102,9 @@ def main():
         "MFU is against the GEMM rate each run measures at its start on the cores it uses "
         "(its threads in process; all cores with expert processes): "
         + "; ".join(
-            f"{t} thread{'s' if t > 1 else ''} {min(g):.0f}-{max(g):.0f} GFLOP/s"
-            for t, g in sorted(rates.items())) + "."
+            f"{t} thread{'s' if t > 1 else ''}{' (bf16 operands)' if bf16 else ''} "
+            f"{min(g):.0f}-{max(g):.0f} GFLOP/s"
+            for (t, bf16), g in sorted(rates.items())) + "."
         + (f" {rounds} rounds round-robin: each row is the round with the median tokens/s, "
            "each ratio the median of the rounds' own ratios." if rounds > 1 else ""),
         "",
@@ -145,6 +147,12 @@ def main():
                   f"once / one at a time, 4 processes: {statistics.median(at_once):.2f}"
                   + (" (rounds " + ", ".join(f"{v:.2f}" for v in at_once) + ")"
                      if len(at_once) > 1 else "") + "."]
+    bf16 = round_ratios(groups, "bf16-inprocess-t0", "released-inprocess-t0")
+    if bf16:
+        lines += ["", "bf16 (the released config, --matmul_dtype bfloat16): tokens/s against the "
+                  f"float32 products in process: {statistics.median(bf16):.2f}"
+                  + (" (rounds " + ", ".join(f"{v:.2f}" for v in bf16) + ")"
+                     if len(bf16) > 1 else "") + "."]
     lines += ["", "FLOPs per token (training, model FLOPs): " + ", ".join(
         f"{c} {r[f'{c}-inprocess-t0']['compute']['flops_per_token'] / 1e6:.2f} M"
         for c in ("released", "main") if f"{c}-inprocess-t0" in r) + "."]

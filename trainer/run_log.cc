@@ -195,6 +195,7 @@ void RunLog::OnCompute(const ComputeSetup& c, double flops_per_token) {
                      {"kernels_source", c.kernels_source},
                      {"gemm_gflops", Sig6(c.gemm_gflops)},
                      {"gemm_threads", c.gemm_threads},
+                     {"gemm_bf16", c.gemm_bf16},
                      {"vector_peak_gflops", Sig6(c.vector_peak_gflops)},
                      {"flops_per_token", flops_per_token}};
   WriteLine(line.dump());

@@ -114,6 +114,11 @@ ABSL_FLAG(std::string, wire_dtype, "float32",
           "the experts' rows, outputs and gradients between this process and the groups: "
           "float32 (exact) | bfloat16 (half the bytes, each crossing rounded; the experts "
           "still compute in float32; --experts=inprocess makes the same roundings)");
+ABSL_FLAG(std::string, matmul_dtype, "float32",
+          "the products of the experts and the attention projections: float32, or bfloat16 "
+          "(operands rounded to bfloat16, sums in float32, as torch's matmul precision "
+          "'medium'; weights, gradients and optimizer state stay float32; twice the GEMM rate "
+          "on CPUs with AVX512_BF16)");
 ABSL_FLAG(bool, shared_memory, true,
           "with --experts=local: the rows, outputs and gradients go through POSIX shared "
           "memory (/dev/shm; gRPC carries references); false: inside the gRPC messages");
@@ -133,8 +138,9 @@ ABSL_FLAG(bool, profile_ops, false,
           "with --profile: also time every outermost LibTorch op and autograd node (the "
           "callbacks slow the step)");
 ABSL_FLAG(double, gemm_gflops, 0,
-          "the machine's fp32 GEMM rate in GFLOP/s that MFU is measured against; 0 = measure it "
-          "at start (0.3 s), -1 = no MFU");
+          "the machine's GEMM rate in GFLOP/s that MFU is measured against (fp32, or bf16 "
+          "operands under --matmul_dtype=bfloat16); 0 = measure it at start (0.3 s), -1 = no "
+          "MFU");
 ABSL_FLAG(std::string, out_dir, "runs/latest", "metrics.jsonl and logs go here");
 ABSL_FLAG(int, metrics_port, -1, "Prometheus /metrics port; 0 picks one, -1 = off");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "interface of the metrics endpoint");
@@ -205,6 +211,13 @@ absl::StatusOr<TrainerOptions> OptionsFromFlags() {
   m.block_size = absl::GetFlag(FLAGS_block_size);
   m.moe_every = absl::GetFlag(FLAGS_moe_every);
   m.seed = absl::GetFlag(FLAGS_seed);
+  {
+    absl::StatusOr<v1::DType> matmul = ParseExpertDtype(absl::GetFlag(FLAGS_matmul_dtype));
+    if (!matmul.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--matmul_", matmul.status().message()));
+    }
+    m.matmul_dtype = *matmul;
+  }
   const std::string init = absl::GetFlag(FLAGS_init);
   if (init.empty()) {
     m.init = model::InitForPreset(absl::GetFlag(FLAGS_preset));
@@ -284,6 +297,9 @@ absl::Status UseClusterExperts(TrainerOptions* o) {
   m.seed = cluster.model().seed();
   const v1::ExpertShape shape = ExpertShapeFromCluster(cluster);
   m.expert_dtype = shape.dtype();
+  // The services' products set the coordinator's too (the handshake would
+  // refuse a mismatch).
+  if (shape.matmul_dtype() == v1::DTYPE_BFLOAT16) m.matmul_dtype = v1::DTYPE_BFLOAT16;
   m.init = shape.init();
   if (model::NumMoeLayers(m) != cluster.model().num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -548,6 +564,8 @@ absl::Status Run() {
   compute_options.probe_kernels = absl::GetFlag(FLAGS_blas_probe);
   compute_options.kernel_cache_file = DefaultKernelCacheFile();
   compute_options.split_products = absl::GetFlag(FLAGS_split_products);
+  // MFU is against the rate of the products the run makes.
+  compute_options.bf16_products = absl::GetFlag(FLAGS_matmul_dtype) == "bfloat16";
   HIMOE_ASSIGN_OR_RETURN(const ComputeSetup compute, ConfigureCompute(compute_options));
   LogComputeSetup(compute);
   HIMOE_ASSIGN_OR_RETURN(TrainerOptions o, OptionsFromFlags());

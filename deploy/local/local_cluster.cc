@@ -46,6 +46,7 @@ std::vector<std::string> ExpertCommandLine(const std::string& binary,
       absl::StrCat("--threads=", options.threads),
       absl::StrCat("--port_file=", port_file),
   };
+  if (s.matmul_dtype() == v1::DTYPE_BFLOAT16) argv.push_back("--matmul_dtype=bfloat16");
   if (s.init() != v1::WEIGHT_INIT_DEFAULT) {
     argv.push_back(absl::StrCat("--init=", WeightInitName(s.init())));
     argv.push_back(absl::StrCat("--n_layer=", s.n_layer()));

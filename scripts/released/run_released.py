@@ -133,6 +133,9 @@ def main():
     ap.add_argument('--bias', action='store_true', help='their bias=True (default False, their default)')
     ap.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
                     help='extra override of their config, passed to their configurator')
+    ap.add_argument('--cpu_autocast_bf16', action='store_true',
+                    help="their forward under torch.autocast('cpu', bfloat16), as they run it on "
+                         "GPUs (train.py's ctx is nullcontext() on the CPU)")
     a = ap.parse_args()
     if a.iters < 1:
         raise SystemExit('--iters must be >= 1')
@@ -279,6 +282,11 @@ def main():
     print(f'run_released: method={a.method} seed={a.seed} iters={a.iters} -> {out}', flush=True)
     print('run_released: their argv: ' + ' '.join(argv[1:]), flush=True)
     sys.argv = argv
+    if a.cpu_autocast_bf16:
+        # train.py takes `from contextlib import nullcontext` when it runs; its
+        # only use is the CPU's ctx.
+        import contextlib
+        contextlib.nullcontext = lambda *args, **kw: torch.autocast('cpu', dtype=torch.bfloat16)
     state['mode'] = 'train'
     t_start = time.perf_counter()
     g = runpy.run_path(os.path.join(checkout, 'train.py'), run_name='__main__')

@@ -10,7 +10,9 @@
 #   git clone https://github.com/brain-lab-research/Hi-MoE /path/Hi-MoE   # once
 #   CODE=/path/Hi-MoE bash scripts/released/throughput.sh
 #
-# Env: CODE (required), REPS (2), ITERS (45), OUT (runs/released_throughput).
+# Env: CODE (required), REPS (2), ITERS (45), OUT (runs/released_throughput),
+# HIMOE_FLAGS (extra himoe-trainer flags, e.g. "--matmul_dtype bfloat16"),
+# RELEASED_FLAGS (extra run_released.py flags, e.g. "--cpu_autocast_bf16").
 # Needs Debian's python3-torch and a built himoe-trainer (scripts/setup.sh).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -36,14 +38,14 @@ for rep in $(seq 1 "${REPS}"); do
     env "${released_env[@]}" OMP_NUM_THREADS="${t}" BLIS_NUM_THREADS="${t}" \
       "${PY}" "${HERE}/run_released.py" --method himoe --iters "${ITERS}" --out "${OUT}/${name}" \
       --checkout "${CODE}" --data "${DATA}" --eval_windows 8 --log_interval 1000 \
-      >"${OUT}/${name}.log" 2>&1
+      ${RELEASED_FLAGS:-} >"${OUT}/${name}.log" 2>&1
     echo "${name}: $(grep -o '[0-9]* ms/iter, [0-9]* tok/s' "${OUT}/${name}.log")"
     name="himoe-t${t}-r${rep}"
     "${BUILD}/trainer/himoe-trainer" --experts=inprocess --threads "${t}" --n_layer 4 \
       --d_model 128 --n_head 4 --block_size 128 --batch_size 16 --num_experts 8 \
       --num_groups 4 --top_k 1 --d_ff 512 --moe_every 1 --lr 1e-3 --steps "${ITERS}" \
       --warmup 5 --eval_every 1000000 --eval_windows 8 --log_every 1000000 \
-      --out_dir "${OUT}/${name}" >"${OUT}/${name}.log" 2>&1
+      ${HIMOE_FLAGS:-} --out_dir "${OUT}/${name}" >"${OUT}/${name}.log" 2>&1
     "${PY}" - "${OUT}/${name}/metrics.jsonl" "${name}" <<'PYEOF'
 import json, statistics, sys
 steps = [r for r in map(json.loads, open(sys.argv[1])) if r.get('kind') == 'train'][5:40]

@@ -31,6 +31,7 @@ TEST(ClusterConfigTest, FillsTheDocumentedDefaults) {
   EXPECT_EQ(c->model().top_k(), 1);
   EXPECT_EQ(c->model().num_groups(), 2);
   EXPECT_EQ(c->model().expert_dtype(), "float32");
+  EXPECT_EQ(c->model().matmul_dtype(), "float32");
   EXPECT_EQ(c->routing().method(), "himoe");
   EXPECT_EQ(c->routing().preset(), "paper");
   EXPECT_EQ(c->router().wire_dtype(), "float32");
@@ -61,6 +62,9 @@ TEST(ClusterConfigTest, EachBadFieldIsNamedWithTheFile) {
       {"model { d_model: 8 d_ff: 16 num_experts: 2 expert_dtype: \"fp8\" } "
        "groups { address: \"h:1\" }",
        "model.expert_dtype must be float32 or bfloat16, got 'fp8'"},
+      {"model { d_model: 8 d_ff: 16 num_experts: 2 matmul_dtype: \"fp8\" } "
+       "groups { address: \"h:1\" }",
+       "model.matmul_dtype must be float32 or bfloat16, got 'fp8'"},
       {"model { d_model: 8 d_ff: 16 num_experts: 2 } groups { address: \"h:1\" } "
        "router { max_batches_in_flight: -1 }",
        "max_batches_in_flight must be >= 1"},

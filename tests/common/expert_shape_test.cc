@@ -34,6 +34,7 @@ TEST(ExpertShapeTest, ValidShapePassesAndEachBadFieldIsNamed) {
       {[](v1::ExpertShape* s) { s->set_d_model(0); }, "d_model"},
       {[](v1::ExpertShape* s) { s->set_d_ff(-1); }, "d_ff"},
       {[](v1::ExpertShape* s) { s->set_dtype(v1::DTYPE_INT64); }, "dtype"},
+      {[](v1::ExpertShape* s) { s->set_matmul_dtype(v1::DTYPE_FLOAT16); }, "matmul_dtype"},
       {[](v1::ExpertShape* s) { s->set_init(static_cast<v1::WeightInit>(9)); }, "init"},
       {[](v1::ExpertShape* s) { s->set_init(v1::WEIGHT_INIT_SWITCH); }, "n_layer"},
   };
@@ -56,6 +57,16 @@ TEST(ExpertShapeTest, HandshakeNamesEveryDifferingField) {
   EXPECT_EQ(s.message(),
             "expert group 2 at 127.0.0.1:5 serves seed 7, dtype bfloat16; the model needs "
             "seed 1, dtype float32");
+  // Unset products are the weights' dtype: float32 here, as if set so.
+  v1::ExpertShape f32_products = Shape();
+  f32_products.set_matmul_dtype(v1::DTYPE_FLOAT32);
+  EXPECT_TRUE(CheckExpertShape(Shape(), f32_products, "group 0").ok());
+  v1::ExpertShape bf16_products = Shape();
+  bf16_products.set_matmul_dtype(v1::DTYPE_BFLOAT16);
+  EXPECT_EQ(CheckExpertShape(bf16_products, Shape(), "group 3").message(),
+            "group 3 serves matmul_dtype float32; the model needs matmul_dtype bfloat16");
+  EXPECT_EQ(ExpertShapeDebugString(bf16_products),
+            "N=8 M=4 layers=2 d_model=64 d_ff=256 seed=1 float32 matmul=bfloat16");
   v1::ExpertShape released = Shape();
   released.set_init(v1::WEIGHT_INIT_SWITCH);
   released.set_n_layer(4);
@@ -73,6 +84,11 @@ TEST(ExpertShapeTest, FromClusterFile) {
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   EXPECT_TRUE(CheckExpertShape(Shape(), ExpertShapeFromCluster(*cluster), "cluster").ok());
   EXPECT_EQ(ExpertShapeDebugString(Shape()), "N=8 M=4 layers=2 d_model=64 d_ff=256 seed=1 float32");
+
+  cluster->mutable_model()->set_matmul_dtype("bfloat16");
+  EXPECT_EQ(ExpertShapeFromCluster(*cluster).matmul_dtype(), v1::DTYPE_BFLOAT16);
+  cluster->mutable_model()->set_matmul_dtype("float32");
+  EXPECT_TRUE(CheckExpertShape(Shape(), ExpertShapeFromCluster(*cluster), "cluster").ok());
 
   cluster->mutable_model()->set_init("switch");
   cluster->mutable_model()->set_n_layer(4);

@@ -1,6 +1,7 @@
 #include "expert_service/expert_group.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <ostream>
 #include <string>
@@ -252,6 +253,82 @@ TEST(ExpertGroupTest, ExpertsSplitAcrossThreadsMatchEachRowsOwnExpert) {
               << (*group)->named_parameters()[i].first;
           EXPECT_TRUE(got[1].eq(0).all().item<bool>()) << "expert 4 had no rows";
           EXPECT_GT(got[0].abs().sum().item<double>(), 0);
+        }
+      }
+    }
+  }
+  at::set_num_threads(saved_threads);
+}
+
+// matmul_dtype bfloat16: every product takes bfloat16-rounded operands and
+// sums in float32. The oracle, in double per expert: h = R(x) R(W1)^T + b1,
+// a = gelu(h), y = R(a) R(W2)^T + b2, and for the loss sum(y * g):
+// gh = (R(g) R(W2)) gelu'(h), gx = R(gh) R(W1), gW2 = R(g)^T R(a),
+// gW1 = R(gh)^T R(x) (R: round to bfloat16). The GELU (the group's own loop,
+// 1e-7 off) can put a value on the other side of a rounding boundary now and
+// then, so the test bounds the mean error against this oracle by a small
+// fraction of the mean error against the unrounded (float32) one, and the
+// largest by 1% of the values' range.
+TEST(ExpertGroupTest, Bf16ProductsRoundEachOperandOnce) {
+  const int saved_threads = at::get_num_threads();
+  at::manual_seed(21);
+  v1::ExpertShape shape = Shape();
+  shape.set_matmul_dtype(v1::DTYPE_BFLOAT16);
+  const at::Tensor rows = at::randn({40, 8});
+  const at::Tensor g = at::randn({40, 8});
+  std::vector<int64_t> sorted_ids(40, 3);
+  std::fill(sorted_ids.begin() + 15, sorted_ids.end(), 4);
+  std::fill(sorted_ids.begin() + 33, sorted_ids.end(), 5);
+  const auto R = [](const at::Tensor& t) { return t.to(at::kBFloat16).to(at::kDouble); };
+  for (const int threads : {1, 2}) {
+    SCOPED_TRACE(testing::Message() << threads << " threads");
+    at::set_num_threads(threads);
+    auto group = ExpertGroup::Create(shape, 1, 2, kCpu);
+    ASSERT_TRUE(group.ok()) << group.status();
+    ASSERT_TRUE((*group)->matmul_bf16());
+    const at::Tensor x = rows.clone().requires_grad_(true);
+    auto out = (*group)->Forward(x, at::tensor(sorted_ids, at::kLong));
+    ASSERT_TRUE(out.ok()) << out.status();
+    (*out * g).sum().backward();
+    const std::vector<at::Tensor> p = (*group)->parameters();  // W1, b1, W2, b2
+
+    // Per expert e, rows [begin, end); with and without the rounding.
+    for (const bool rounded : {true, false}) {
+      const auto Q = [&](const at::Tensor& t) { return rounded ? R(t) : t.to(at::kDouble); };
+      at::Tensor y = at::empty({40, 8}, at::kDouble), gx = at::empty({40, 8}, at::kDouble);
+      std::vector<at::Tensor> gp;
+      for (const at::Tensor& t : p) gp.push_back(at::zeros(t.sizes(), at::kDouble));
+      for (const auto& [e, begin, end] : std::vector<std::array<int64_t, 3>>{
+               {0, 0, 15}, {1, 15, 33}, {2, 33, 40}}) {
+        const at::Tensor xe = rows.narrow(0, begin, end - begin);
+        const at::Tensor ge = g.narrow(0, begin, end - begin);
+        const at::Tensor h = at::mm(Q(xe), Q(p[0][e]).t()) + p[1][e].to(at::kDouble);
+        const at::Tensor cdf = 0.5 * (1 + at::erf(h / std::sqrt(2.0)));
+        const at::Tensor a = h * cdf;
+        y.narrow(0, begin, end - begin).copy_(at::mm(Q(a), Q(p[2][e]).t()) +
+                                              p[3][e].to(at::kDouble));
+        const at::Tensor pdf = at::exp(-0.5 * h * h) / std::sqrt(2 * M_PI);
+        const at::Tensor gh = at::mm(Q(ge), Q(p[2][e])) * (cdf + h * pdf);
+        gx.narrow(0, begin, end - begin).copy_(at::mm(Q(gh), Q(p[0][e])));
+        gp[0][e].copy_(at::mm(Q(gh).t(), Q(xe)));
+        gp[1][e].copy_(gh.sum(0));
+        gp[2][e].copy_(at::mm(Q(ge).t(), Q(a)));
+        gp[3][e].copy_(ge.to(at::kDouble).sum(0));
+      }
+      std::vector<std::pair<std::string, std::pair<at::Tensor, at::Tensor>>> pairs = {
+          {"y", {*out, y}}, {"rows' grad", {x.grad(), gx}}};
+      for (size_t i = 0; i < 4; ++i) {
+        pairs.push_back({(*group)->named_parameters()[i].first, {p[i].grad(), gp[i]}});
+      }
+      for (const auto& [name, got_want] : pairs) {
+        const at::Tensor err = (got_want.first.to(at::kDouble) - got_want.second).abs();
+        const double range = got_want.second.abs().max().item<double>();
+        if (rounded) {
+          EXPECT_LE(err.max().item<double>(), 1e-2 * range) << name;
+          EXPECT_LE(err.mean().item<double>(), 1e-4 * range) << name;
+        } else if (name != "b2") {  // b2's gradient sums g alone: no product
+          // float32 operands would be within 1e-6; bf16 ones are about 2^-9 off.
+          EXPECT_GE(err.mean().item<double>(), 1e-4 * range) << name;
         }
       }
     }

@@ -183,6 +183,52 @@ TEST(RemoteTrainingTest, Bf16WireTrainsLikeInProcessWithTheSameRoundings) {
   EXPECT_NEAR(va->loss, vb->loss, 1e-4);
 }
 
+// bf16 products (--matmul_dtype=bfloat16): the groups' products and the
+// coordinator's take bfloat16-rounded operands, so the remote run equals the
+// in-process one (1e-4), and both leave the float32 run by about bf16's
+// precision. Groups that compute in float32 are refused, naming the field.
+TEST(RemoteTrainingTest, Bf16ProductsTrainLikeInProcess) {
+  TrainerOptions f32 = SmallOptions(router::RoutingMethod::kHiMoe);
+  TrainerOptions local = f32;
+  local.model.matmul_dtype = v1::DTYPE_BFLOAT16;
+  ExpertCluster cluster(local);
+  const TrainerOptions remote = cluster.Remote(local);
+  auto a = Trainer::Create(local);
+  auto b = Trainer::Create(remote);
+  auto c = Trainer::Create(f32);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  double largest_gap = 0;
+  for (int step = 0; step < 3; ++step) {
+    auto ra = (*a)->Step();
+    auto rb = (*b)->Step();
+    auto rc = (*c)->Step();
+    ASSERT_TRUE(ra.ok() && rb.ok() && rc.ok());
+    EXPECT_NEAR(ra->loss, rb->loss, 1e-4) << "step " << step + 1;
+    EXPECT_NEAR(ra->grad_norm, rb->grad_norm, 1e-4 * std::max(1.0, ra->grad_norm));
+    EXPECT_NEAR(rb->loss, rc->loss, 2e-2 * rc->loss) << "step " << step + 1;
+    largest_gap = std::max(largest_gap, std::abs(rb->loss - rc->loss));
+  }
+  EXPECT_GT(largest_gap, 1e-6) << "the bf16 products rounded nothing";
+  const auto pa = AllParameters(**a);
+  const auto pb = AllParameters(**b);
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& [name, ta] : pa) {
+    ASSERT_TRUE(pb.count(name)) << name;
+    EXPECT_LE((ta - pb.at(name)).abs().max().item<double>(), 1e-4) << name;
+  }
+  auto va = (*a)->Evaluate();
+  auto vb = (*b)->Evaluate();
+  ASSERT_TRUE(va.ok() && vb.ok());
+  EXPECT_NEAR(va->loss, vb->loss, 1e-4);
+
+  ExpertCluster float32_groups(f32);
+  auto refused = Trainer::Create(float32_groups.Remote(local));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("matmul_dtype float32"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("matmul_dtype bfloat16"));
+}
+
 // A NaN weight makes the loss and every gradient NaN: the step fails naming
 // them, before either optimizer runs, and a step after the weight is mended
 // trains from where the failed one started (the experts' NaN gradients were
