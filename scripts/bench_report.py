@@ -141,18 +141,16 @@ def main():
                                                       for k in sorted(g))
                               for name, g in groups.items() if name.endswith("-t0")
                               and "inprocess" in name) + "."]
-    at_once = round_ratios(groups, "accum2-local-t0", "accum2-serial-t0")
-    if at_once:
-        lines += ["", "accum2 (the released config, 2 micro-batches a step): 2 micro-batches at "
-                  f"once / one at a time, 4 processes: {statistics.median(at_once):.2f}"
-                  + (" (rounds " + ", ".join(f"{v:.2f}" for v in at_once) + ")"
-                     if len(at_once) > 1 else "") + "."]
-    bf16 = round_ratios(groups, "bf16-inprocess-t0", "released-inprocess-t0")
-    if bf16:
-        lines += ["", "bf16 (the released config, --matmul_dtype bfloat16): tokens/s against the "
-                  f"float32 products in process: {statistics.median(bf16):.2f}"
-                  + (" (rounds " + ", ".join(f"{v:.2f}" for v in bf16) + ")"
-                     if len(bf16) > 1 else "") + "."]
+    for label, num, den in (
+            ("accum2 (the released config, 2 micro-batches a step): 2 micro-batches at once / "
+             "one at a time, 4 processes", "accum2-local-t0", "accum2-serial-t0"),
+            ("bf16 (the released config, --matmul_dtype bfloat16): tokens/s against the float32 "
+             "products in process", "bf16-inprocess-t0", "released-inprocess-t0")):
+        ratios = round_ratios(groups, num, den)
+        if ratios:
+            lines += ["", f"{label}: {statistics.median(ratios):.2f}"
+                      + (" (rounds " + ", ".join(f"{v:.2f}" for v in ratios) + ")"
+                         if len(ratios) > 1 else "") + "."]
     lines += ["", "FLOPs per token (training, model FLOPs): " + ", ".join(
         f"{c} {r[f'{c}-inprocess-t0']['compute']['flops_per_token'] / 1e6:.2f} M"
         for c in ("released", "main") if f"{c}-inprocess-t0" in r) + "."]

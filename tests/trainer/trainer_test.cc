@@ -141,6 +141,21 @@ INSTANTIATE_TEST_SUITE_P(
              (info.param.second > 0 ? "_controller" : "");
     });
 
+// Every parameter, buffer and expert weight within 1e-4, and the evaluation.
+void ExpectSameWeightsAndEvaluation(Trainer& a, Trainer& b) {
+  const auto pa = AllParameters(a);
+  const auto pb = AllParameters(b);
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& [name, ta] : pa) {
+    ASSERT_TRUE(pb.count(name)) << name;
+    EXPECT_LE((ta - pb.at(name)).abs().max().item<double>(), 1e-4) << name;
+  }
+  auto va = a.Evaluate();
+  auto vb = b.Evaluate();
+  ASSERT_TRUE(va.ok() && vb.ok());
+  EXPECT_NEAR(va->loss, vb->loss, 1e-4);
+}
+
 // bf16 on the wire: the remote run rounds the rows, the outputs and both
 // gradients at each crossing, and equals the in-process run that makes the
 // same roundings (autograd's casts); both leave the float32 run by about
@@ -170,17 +185,7 @@ TEST(RemoteTrainingTest, Bf16WireTrainsLikeInProcessWithTheSameRoundings) {
     largest_gap = std::max(largest_gap, std::abs(rb->loss - rc->loss));
   }
   EXPECT_GT(largest_gap, 0) << "the bf16 wire rounded nothing";
-  const auto pa = AllParameters(**a);
-  const auto pb = AllParameters(**b);
-  ASSERT_EQ(pa.size(), pb.size());
-  for (const auto& [name, ta] : pa) {
-    ASSERT_TRUE(pb.count(name)) << name;
-    EXPECT_LE((ta - pb.at(name)).abs().max().item<double>(), 1e-4) << name;
-  }
-  auto va = (*a)->Evaluate();
-  auto vb = (*b)->Evaluate();
-  ASSERT_TRUE(va.ok() && vb.ok());
-  EXPECT_NEAR(va->loss, vb->loss, 1e-4);
+  ExpectSameWeightsAndEvaluation(**a, **b);
 }
 
 // bf16 products (--matmul_dtype=bfloat16): the groups' products and the
@@ -209,17 +214,7 @@ TEST(RemoteTrainingTest, Bf16ProductsTrainLikeInProcess) {
     largest_gap = std::max(largest_gap, std::abs(rb->loss - rc->loss));
   }
   EXPECT_GT(largest_gap, 1e-6) << "the bf16 products rounded nothing";
-  const auto pa = AllParameters(**a);
-  const auto pb = AllParameters(**b);
-  ASSERT_EQ(pa.size(), pb.size());
-  for (const auto& [name, ta] : pa) {
-    ASSERT_TRUE(pb.count(name)) << name;
-    EXPECT_LE((ta - pb.at(name)).abs().max().item<double>(), 1e-4) << name;
-  }
-  auto va = (*a)->Evaluate();
-  auto vb = (*b)->Evaluate();
-  ASSERT_TRUE(va.ok() && vb.ok());
-  EXPECT_NEAR(va->loss, vb->loss, 1e-4);
+  ExpectSameWeightsAndEvaluation(**a, **b);
 
   ExpertCluster float32_groups(f32);
   auto refused = Trainer::Create(float32_groups.Remote(local));
