@@ -156,6 +156,26 @@ void ExpectSameWeightsAndEvaluation(Trainer& a, Trainer& b) {
   EXPECT_NEAR(va->loss, vb->loss, 1e-4);
 }
 
+// 3 steps of each: `in_process` and `remote` make the same bf16 roundings
+// and stay within 1e-4 (loss, grad norm); bf16 keeps 8 bits, so the rounded
+// run stays within a few 2^-8 of the float32 one. Returns the largest loss
+// gap between the rounded and the float32 run.
+double StepRoundedRunsBesideFloat32(Trainer& in_process, Trainer& remote, Trainer& f32) {
+  double largest_gap = 0;
+  for (int step = 0; step < 3; ++step) {
+    auto ra = in_process.Step();
+    auto rb = remote.Step();
+    auto rc = f32.Step();
+    EXPECT_TRUE(ra.ok() && rb.ok() && rc.ok());
+    if (!ra.ok() || !rb.ok() || !rc.ok()) return 0;
+    EXPECT_NEAR(ra->loss, rb->loss, 1e-4) << "step " << step + 1;
+    EXPECT_NEAR(ra->grad_norm, rb->grad_norm, 1e-4 * std::max(1.0, ra->grad_norm));
+    EXPECT_NEAR(rb->loss, rc->loss, 2e-2 * rc->loss) << "step " << step + 1;
+    largest_gap = std::max(largest_gap, std::abs(rb->loss - rc->loss));
+  }
+  return largest_gap;
+}
+
 // bf16 on the wire: the remote run rounds the rows, the outputs and both
 // gradients at each crossing, and equals the in-process run that makes the
 // same roundings (autograd's casts); both leave the float32 run by about
@@ -172,18 +192,7 @@ TEST(RemoteTrainingTest, Bf16WireTrainsLikeInProcessWithTheSameRoundings) {
   ASSERT_TRUE(a.ok() && b.ok() && c.ok());
   EXPECT_EQ(RunConfigFor(remote, 0).training().wire_dtype(), "bfloat16");
   EXPECT_EQ(RunConfigFor(f32, 0).training().wire_dtype(), "float32");
-  double largest_gap = 0;
-  for (int step = 0; step < 3; ++step) {
-    auto ra = (*a)->Step();
-    auto rb = (*b)->Step();
-    auto rc = (*c)->Step();
-    ASSERT_TRUE(ra.ok() && rb.ok() && rc.ok());
-    EXPECT_NEAR(ra->loss, rb->loss, 1e-4) << "step " << step + 1;
-    EXPECT_NEAR(ra->grad_norm, rb->grad_norm, 1e-4 * std::max(1.0, ra->grad_norm));
-    // bf16 keeps 8 bits: the rounded run stays within a few 2^-8 of float32's.
-    EXPECT_NEAR(rb->loss, rc->loss, 2e-2 * rc->loss) << "step " << step + 1;
-    largest_gap = std::max(largest_gap, std::abs(rb->loss - rc->loss));
-  }
+  const double largest_gap = StepRoundedRunsBesideFloat32(**a, **b, **c);
   EXPECT_GT(largest_gap, 0) << "the bf16 wire rounded nothing";
   ExpectSameWeightsAndEvaluation(**a, **b);
 }
@@ -202,17 +211,7 @@ TEST(RemoteTrainingTest, Bf16ProductsTrainLikeInProcess) {
   auto b = Trainer::Create(remote);
   auto c = Trainer::Create(f32);
   ASSERT_TRUE(a.ok() && b.ok() && c.ok());
-  double largest_gap = 0;
-  for (int step = 0; step < 3; ++step) {
-    auto ra = (*a)->Step();
-    auto rb = (*b)->Step();
-    auto rc = (*c)->Step();
-    ASSERT_TRUE(ra.ok() && rb.ok() && rc.ok());
-    EXPECT_NEAR(ra->loss, rb->loss, 1e-4) << "step " << step + 1;
-    EXPECT_NEAR(ra->grad_norm, rb->grad_norm, 1e-4 * std::max(1.0, ra->grad_norm));
-    EXPECT_NEAR(rb->loss, rc->loss, 2e-2 * rc->loss) << "step " << step + 1;
-    largest_gap = std::max(largest_gap, std::abs(rb->loss - rc->loss));
-  }
+  const double largest_gap = StepRoundedRunsBesideFloat32(**a, **b, **c);
   EXPECT_GT(largest_gap, 1e-6) << "the bf16 products rounded nothing";
   ExpectSameWeightsAndEvaluation(**a, **b);
 
