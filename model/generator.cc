@@ -83,6 +83,29 @@ absl::StatusOr<at::Tensor> Generator::NextTokenLogitsLocked(const std::vector<in
   return out.logits[0][keep - 1].to(at::kFloat);
 }
 
+namespace {
+
+// Nucleus sampling (Holtzman et al., 2020): of the tokens with scaled logit
+// >= `kth`, the most likely ones whose probability first reaches top_p stay
+// in; returns the least scaled logit kept (its ties stay in too).
+double NucleusThreshold(const std::vector<double>& scaled, double kth, double top_p) {
+  std::vector<double> kept;
+  for (const double v : scaled) {
+    if (v >= kth) kept.push_back(v);
+  }
+  std::sort(kept.begin(), kept.end(), std::greater<double>());
+  double total = 0;
+  for (const double v : kept) total += std::exp(v);
+  double mass = 0;
+  for (const double v : kept) {
+    mass += std::exp(v);
+    if (mass >= top_p * total) return v;
+  }
+  return kept.empty() ? kth : kept.back();
+}
+
+}  // namespace
+
 absl::StatusOr<int64_t> SampleToken(const at::Tensor& logits, const GenerateParams& params,
                                     at::Generator& rng) {
   at::Tensor row;
@@ -108,6 +131,7 @@ absl::StatusOr<int64_t> SampleToken(const at::Tensor& logits, const GeneratePara
                      std::greater<double>());
     kth = sorted[params.top_k - 1];  // ties with the k-th stay in
   }
+  if (params.top_p < 1) kth = NucleusThreshold(scaled, kth, params.top_p);
   std::vector<double> cumulative(n);
   double total = 0;
   for (int64_t j = 0; j < n; ++j) {

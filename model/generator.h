@@ -24,9 +24,10 @@ namespace himoe::model {
 
 // nanoGPT's sampling of one token from logits [V]: temperature 0 is the
 // argmax (the first of equal maxima); otherwise softmax(logits / T) over
-// the top_k largest (0: all; ties with the k-th stay in), one draw from
-// `rng` (one 64-bit number, its top 53 bits a uniform u in [0, 1)): the
-// first token whose cumulative weight exceeds u times the total.
+// the top_k largest (0: all; ties with the k-th stay in), then of those the
+// most likely whose probability first reaches top_p (1: all; ties stay in),
+// one draw from `rng` (one 64-bit number, its top 53 bits a uniform u in
+// [0, 1)): the first token whose cumulative weight exceeds u times the total.
 absl::StatusOr<int64_t> SampleToken(const at::Tensor& logits, const GenerateParams& params,
                                     at::Generator& rng);
 

@@ -48,7 +48,37 @@ absl::StatusOr<model::GenerateParams> DecodeGenerateRequest(
   params.max_new_tokens = request.max_new_tokens();
   params.temperature = request.temperature();
   params.top_k = request.top_k();
+  // float on the wire; 0 is proto3's unset.
+  params.top_p = request.top_p() == 0 ? 1.0 : request.top_p();
   params.seed = request.seed();
+  if (request.stop_size() > 0 && !generator.byte_level()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stop: this model is not byte-level (vocab ", generator.vocab_size(),
+        "); send stop_token_ids"));
+  }
+  if (request.stop_size() + request.stop_token_ids_size() > model::kMaxStopSequences) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stop, stop_token_ids: at most ", model::kMaxStopSequences, " in all, got ",
+                     request.stop_size() + request.stop_token_ids_size()));
+  }
+  for (int i = 0; i < request.stop_size(); ++i) {
+    const std::string& seq = request.stop(i);
+    if (seq.empty() || seq.size() > static_cast<size_t>(model::kMaxStopTokens)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "stop[", i, "]: expected 1 to ", model::kMaxStopTokens, " bytes, got ", seq.size()));
+    }
+    params.stop.emplace_back();
+    for (const char c : seq) params.stop.back().push_back(static_cast<unsigned char>(c));
+  }
+  for (int i = 0; i < request.stop_token_ids_size(); ++i) {
+    const int64_t t = request.stop_token_ids(i);
+    if (t < 0 || t >= generator.vocab_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("stop_token_ids[", i, "]: ", t,
+                                                     " is not a token id in [0, ",
+                                                     generator.vocab_size(), ")"));
+    }
+    params.stop.push_back({t});
+  }
   HIMOE_RETURN_IF_ERROR(model::ValidateGenerateParams(params, generator));
   return params;
 }
@@ -60,9 +90,13 @@ namespace {
 // the lock held, since gRPC may run reactions inline.
 class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  GenerateReactor(std::shared_ptr<model::TextGenerator> generator, model::GenerateParams params,
+  GenerateReactor(grpc::CallbackServerContext* context,
+                  std::shared_ptr<model::TextGenerator> generator, model::GenerateParams params,
                   RouterMetrics* metrics)
-      : generator_(std::move(generator)), byte_level_(generator_->byte_level()), metrics_(metrics) {
+      : context_(context),
+        generator_(std::move(generator)),
+        byte_level_(generator_->byte_level()),
+        metrics_(metrics) {
     if (metrics_ != nullptr) metrics_->OnStream(+1);
     thread_ = std::thread([this, params = std::move(params)] { Run(params); });
   }
@@ -87,7 +121,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
 
  private:
   void Run(const model::GenerateParams& params) {
-    const absl::Status status = generator_->Generate(params, [this](int64_t token) {
+    const auto send = [this](int64_t token) {
       if (cancelled_.load()) return false;
       v1::GenerateResponse response;
       response.set_token(token);
@@ -101,7 +135,13 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
       }
       Pump();
       return true;
-    });
+    };
+    const absl::StatusOr<model::FinishReason> finished =
+        model::GenerateUntilStop(*generator_, params, send);
+    const absl::Status status = finished.status();
+    if (finished.ok()) {
+      context_->AddTrailingMetadata("himoe-finish-reason", model::FinishReasonName(*finished));
+    }
     if (metrics_ != nullptr) {
       metrics_->OnStream(-1);
       if (!status.ok()) metrics_->OnError(static_cast<int>(status.code()));
@@ -135,6 +175,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     if (action == kFinish) Finish(ToGrpcStatus(status_));
   }
 
+  grpc::CallbackServerContext* const context_;
   const std::shared_ptr<model::TextGenerator> generator_;
   const bool byte_level_;
   RouterMetrics* const metrics_;  // may be null
@@ -181,7 +222,7 @@ absl::StatusOr<at::Tensor> DecodeHidden(v1::RouteForwardRequest* request, int64_
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* RouterGrpcService::Generate(
-    grpc::CallbackServerContext* /*context*/, const grpc::ByteBuffer* raw_request) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request) {
   v1::GenerateRequest request;
   absl::Status status = ParseRaw(*raw_request, "request", &request);
   if (!status.ok()) {
@@ -193,7 +234,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* RouterGrpcService::Generate(
   } else if (auto params = DecodeGenerateRequest(request, *generator_); !params.ok()) {
     status = params.status();
   } else {
-    return new GenerateReactor(generator_, *std::move(params), metrics_);
+    return new GenerateReactor(context, generator_, *std::move(params), metrics_);
   }
   if (metrics_ != nullptr) metrics_->OnError(static_cast<int>(status.code()));
   return RejectStream<grpc::ServerWriteReactor<grpc::ByteBuffer>>(ToGrpcStatus(status));

@@ -1,7 +1,9 @@
 // The router's Generate handler on arbitrary bytes parsed as a
 // GenerateRequest: decoded against a real (small, untrained) language model
-// on in-process experts, then sampled. Either INVALID_ARGUMENT, or exactly
-// max_new_tokens tokens, each a token id of the model; never a crash.
+// on in-process experts, then sampled with its stop sequences as the router
+// does. Either INVALID_ARGUMENT, or tokens of the model: exactly
+// max_new_tokens when no stop sequence ended the stream, at most that when
+// one did; never a crash.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -47,11 +49,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   int tokens = 0;
-  const absl::Status status = model->generator->Generate(*params, [&](int64_t token) {
-    if (token < 0 || token >= model->generator->vocab_size()) std::abort();
-    ++tokens;
-    return true;
-  });
-  if (!status.ok() || tokens != params->max_new_tokens) std::abort();
+  const absl::StatusOr<himoe::model::FinishReason> finished =
+      himoe::model::GenerateUntilStop(*model->generator, *params, [&](int64_t token) {
+        if (token < 0 || token >= model->generator->vocab_size()) std::abort();
+        ++tokens;
+        return true;
+      });
+  if (!finished.ok() || tokens > params->max_new_tokens) std::abort();
+  if (*finished == himoe::model::FinishReason::kLength && tokens != params->max_new_tokens) {
+    std::abort();
+  }
   return 0;
 }

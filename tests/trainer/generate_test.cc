@@ -426,9 +426,11 @@ class RouterGenerateTest : public ::testing::Test {
         "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
   }
 
-  // Reads the whole stream: the tokens, the concatenated text, the status.
+  // Reads the whole stream: the tokens, the concatenated text, the status,
+  // and the trailing "himoe-finish-reason" when `finish_reason` is given.
   static grpc::Status Call(v1::RouterService::Stub& stub, const v1::GenerateRequest& request,
-                           std::vector<int64_t>* tokens, std::string* text) {
+                           std::vector<int64_t>* tokens, std::string* text,
+                           std::string* finish_reason = nullptr) {
     grpc::ClientContext context;
     auto reader = stub.Generate(&context, request);
     v1::GenerateResponse response;
@@ -436,7 +438,13 @@ class RouterGenerateTest : public ::testing::Test {
       tokens->push_back(response.token());
       *text += response.text();
     }
-    return reader->Finish();
+    const grpc::Status status = reader->Finish();
+    if (finish_reason != nullptr) {
+      const auto& trailers = context.GetServerTrailingMetadata();
+      const auto it = trailers.find("himoe-finish-reason");
+      *finish_reason = it == trailers.end() ? "" : std::string(it->second.data(), it->second.size());
+    }
+    return status;
   }
 
   static v1::GenerateRequest Request(const std::string& prompt, int n, float temperature,
@@ -478,6 +486,8 @@ TEST_F(RouterGenerateTest, StreamsTheReferenceSample) {
 
 // Eight concurrent gRPC streams through the router (decoded together, their
 // MoE rows batched by the router) each equal the in-process reference alone.
+// The odd ones stop at their first space, leaving the batch while the others
+// go on: each is its reference cut before that space.
 TEST_F(RouterGenerateTest, ConcurrentStreamsEachEqualTheReference) {
   constexpr int kStreams = 8;
   std::vector<std::vector<int64_t>> tokens(kStreams);
@@ -487,16 +497,31 @@ TEST_F(RouterGenerateTest, ConcurrentStreamsEachEqualTheReference) {
     threads.emplace_back([&, i] {
       auto stub = Stub(server_->port());
       std::string text;
-      status[i] = Call(*stub, Request("The ", 24, 1.0f, 0, 100 + i), &tokens[i], &text);
+      v1::GenerateRequest request = Request("The ", 24, 1.0f, 0, 100 + i);
+      if (i % 2 == 1) request.add_stop_token_ids(' ');
+      status[i] = Call(*stub, request, &tokens[i], &text);
     });
   }
   for (auto& t : threads) t.join();
+  int64_t sampled = 0;
+  int stopped_early = 0;
   for (int i = 0; i < kStreams; ++i) {
     ASSERT_TRUE(status[i].ok()) << i << ": " << status[i].error_message();
-    EXPECT_EQ(tokens[i], Sample(*reference_, Params("The ", 24, 1.0f, 0, 100 + i))) << i;
+    std::vector<int64_t> want = Sample(*reference_, Params("The ", 24, 1.0f, 0, 100 + i));
+    if (i % 2 == 1) {
+      const auto space = std::find(want.begin(), want.end(), ' ');
+      if (space != want.end()) {
+        ++stopped_early;
+        want.erase(space, want.end());
+        sampled += 1;  // the space itself: sampled, not sent
+      }
+    }
+    sampled += static_cast<int64_t>(want.size());
+    EXPECT_EQ(tokens[i], want) << i;
   }
+  EXPECT_GE(stopped_early, 2);  // the batch really changed under the others
   const model::GeneratorStats stats = server_->generator()->stats();
-  EXPECT_EQ(stats.tokens, kStreams * 24);
+  EXPECT_EQ(stats.tokens, sampled);
   EXPECT_EQ(stats.active_streams, 0);
 }
 
@@ -528,6 +553,68 @@ TEST_F(RouterGenerateTest, RouteForwardUsesTheTrainedRouters) {
   }
 }
 
+// top_p and stop sequences over gRPC against the in-process reference: with
+// top_p the stream is the reference's sample with the same top_p; a stop
+// sequence or stop token cuts it before the stop's first occurrence (found
+// here in the reference's tokens), and one that never occurs leaves it whole.
+TEST_F(RouterGenerateTest, TopPAndStopSequencesFollowTheReference) {
+  auto stub = Stub(server_->port());
+  v1::GenerateRequest request = Request("The garden ", 64, 0.9f, 0, 77);
+  request.set_top_p(0.8f);
+  model::GenerateParams params = Params("The garden ", 64, 0.9f, 0, 77);
+  params.top_p = 0.8f;  // float on the wire
+  const std::vector<int64_t> full = Sample(*reference_, params);
+  ASSERT_EQ(full.size(), 64u);
+  params.top_p = 1.0;
+  EXPECT_NE(Sample(*reference_, params), full) << "top_p 0.8 should change this sample";
+
+  std::vector<int64_t> tokens;
+  std::string text, reason;
+  ASSERT_TRUE(Call(*stub, request, &tokens, &text, &reason).ok());
+  EXPECT_EQ(tokens, full);
+  EXPECT_EQ(reason, "length");
+
+  // The first two-byte sequence from position 8 on that occurs nowhere before.
+  const auto occurs_before = [&](size_t k) {
+    for (size_t j = 0; j < k; ++j) {
+      if (full[j] == full[k] && full[j + 1] == full[k + 1]) return true;
+    }
+    return false;
+  };
+  size_t k = 8;
+  while (k + 2 < full.size() && occurs_before(k)) ++k;
+  ASSERT_LT(k + 2, full.size());
+  v1::GenerateRequest stop = request;
+  stop.add_stop(std::string{static_cast<char>(full[k]), static_cast<char>(full[k + 1])});
+  tokens.clear();
+  text.clear();
+  ASSERT_TRUE(Call(*stub, stop, &tokens, &text, &reason).ok());
+  EXPECT_EQ(tokens, std::vector<int64_t>(full.begin(), full.begin() + k)) << "stop at " << k;
+  EXPECT_EQ(reason, "stop");
+
+  // A stop token: the stream ends before that byte's first occurrence.
+  const int64_t t = full[20];
+  const size_t first = std::find(full.begin(), full.end(), t) - full.begin();
+  v1::GenerateRequest stop_id = request;
+  stop_id.add_stop_token_ids(t);
+  tokens.clear();
+  text.clear();
+  ASSERT_TRUE(Call(*stub, stop_id, &tokens, &text, &reason).ok());
+  EXPECT_EQ(tokens, std::vector<int64_t>(full.begin(), full.begin() + first));
+  EXPECT_EQ(reason, "stop");
+
+  // Begins like the two-byte stop above, then a byte the sample never has:
+  // held, then released, so the whole sample comes.
+  ASSERT_EQ(std::count(full.begin(), full.end(), 1), 0);
+  v1::GenerateRequest never = request;
+  never.add_stop(std::string{static_cast<char>(full[k]), static_cast<char>(full[k + 1]), '\x01'});
+  tokens.clear();
+  text.clear();
+  ASSERT_TRUE(Call(*stub, never, &tokens, &text, &reason).ok());
+  EXPECT_EQ(tokens, full);
+  EXPECT_EQ(reason, "length");
+}
+
 TEST_F(RouterGenerateTest, BadRequestsNameTheFieldAndServingContinues) {
   auto stub = Stub(server_->port());
   struct Case {
@@ -545,6 +632,25 @@ TEST_F(RouterGenerateTest, BadRequestsNameTheFieldAndServingContinues) {
   Case both{Request("The ", 8, 1.0f, 0, 1), "prompt_tokens"};
   both.request.add_prompt_tokens(65);
   cases.push_back(both);
+  for (const float top_p : {-0.5f, 1.5f}) {
+    Case c{Request("The ", 8, 1.0f, 0, 1), "top_p"};
+    c.request.set_top_p(top_p);
+    cases.push_back(c);
+  }
+  Case empty_stop{Request("The ", 8, 1.0f, 0, 1), "stop[1]"};
+  empty_stop.request.add_stop("ab");
+  empty_stop.request.add_stop("");
+  cases.push_back(empty_stop);
+  Case long_stop{Request("The ", 8, 1.0f, 0, 1), "stop[0]"};
+  long_stop.request.add_stop(std::string(65, 'a'));
+  cases.push_back(long_stop);
+  Case bad_id{Request("The ", 8, 1.0f, 0, 1), "stop_token_ids[0]"};
+  bad_id.request.add_stop_token_ids(256);
+  cases.push_back(bad_id);
+  Case many{Request("The ", 8, 1.0f, 0, 1), "stop, stop_token_ids"};
+  for (int i = 0; i < 9; ++i) many.request.add_stop("x");
+  for (int i = 0; i < 8; ++i) many.request.add_stop_token_ids(10);
+  cases.push_back(many);
   Case out_of_vocab{Request("", 8, 1.0f, 0, 1), "prompt_tokens[1]"};
   out_of_vocab.request.add_prompt_tokens(65);
   out_of_vocab.request.add_prompt_tokens(256);
