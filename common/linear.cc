@@ -28,14 +28,20 @@ __attribute__((always_inline)) inline float Sum(const V16& s) {
 // out[r, n] = bias[n] + x[r, :] . w[n, :] for R rows and N outputs: one
 // accumulator per output over k in steps of 16, then Sum. An output's
 // arithmetic is the same in every block shape, so a row's result does not
-// depend on the rows computed beside it.
+// depend on the rows computed beside it. `ahead` (or null): N weight rows
+// a block or two on, prefetched as these are read, so that a cold weight
+// streams at about its 1-row speed whatever R.
 template <int R, int N>
 __attribute__((always_inline)) inline void Block(const float* x, int64_t k, const float* w,
-                                                 const float* bias, float* out, int64_t n_out) {
+                                                 const float* ahead, const float* bias, float* out,
+                                                 int64_t n_out) {
   V16 acc[R][N] = {};
   for (int64_t i = 0; i < k; i += 16) {
     V16 wv[N];
-    for (int n = 0; n < N; ++n) wv[n] = Load(w + n * k + i);
+    for (int n = 0; n < N; ++n) {
+      if (ahead != nullptr) __builtin_prefetch(ahead + n * k + i);
+      wv[n] = Load(w + n * k + i);
+    }
     for (int r = 0; r < R; ++r) {
       const V16 xv = Load(x + r * k + i);
       for (int n = 0; n < N; ++n) acc[r][n] += xv * wv[n];
@@ -53,10 +59,12 @@ __attribute__((always_inline)) inline void RowBlock(const float* x, int64_t k, c
                                                     const float* bias, float* out, int64_t n_out) {
   int64_t n = 0;
   for (; n + 2 <= n_out; n += 2) {
-    Block<R, 2>(x, k, w + n * k, bias == nullptr ? nullptr : bias + n, out + n, n_out);
+    const float* ahead = n + 6 <= n_out ? w + (n + 4) * k : nullptr;  // two blocks on
+    Block<R, 2>(x, k, w + n * k, ahead, bias == nullptr ? nullptr : bias + n, out + n, n_out);
   }
   for (; n < n_out; ++n) {
-    Block<R, 1>(x, k, w + n * k, bias == nullptr ? nullptr : bias + n, out + n, n_out);
+    const float* ahead = n + 2 <= n_out ? w + (n + 1) * k : nullptr;
+    Block<R, 1>(x, k, w + n * k, ahead, bias == nullptr ? nullptr : bias + n, out + n, n_out);
   }
 }
 
