@@ -3,6 +3,9 @@
 #include <cmath>
 #include <fstream>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/io/tokenizer.h>
@@ -126,6 +129,25 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
                            "max_batches_in_flight must be >= 1, max_queue_delay_us >= 0");
   }
   if (r.threads() < 0) return Invalid(origin, "router.threads must be >= 0");
+  if (r.shared_memory()) {
+    for (int g = 0; g < c.groups_size(); ++g) {
+      std::vector<std::pair<std::string, std::string>> addresses = {
+          {absl::StrCat("groups[", g, "].address"), c.groups(g).address()}};
+      for (int i = 0; i < c.groups(g).replicas_size(); ++i) {
+        addresses.emplace_back(absl::StrCat("groups[", g, "].replicas[", i, "]"),
+                               c.groups(g).replicas(i));
+      }
+      for (const auto& [field, address] : addresses) {
+        absl::StatusOr<HostPort> hp = ParseHostPort(field, address);
+        if (!hp.ok()) return Invalid(origin, hp.status().message());
+        if (!IsLocalHost(hp->host)) {
+          return Invalid(origin, absl::StrCat(
+                                     "router.shared_memory needs every group on this host; ",
+                                     field, " is ", address));
+        }
+      }
+    }
+  }
   HIMOE_RETURN_IF_ERROR(CheckRoutingFinite(c.routing(), origin));
   if (c.has_tls()) {
     const v1::TlsSpec& t = c.tls();

@@ -94,8 +94,15 @@ absl::Status TensorSink::Encode(const at::Tensor& tensor, v1::Tensor* out) {
   return absl::OkStatus();
 }
 
+void TensorSink::NameRest(v1::ExpertForwardRequest* request) const {
+  if (region_ != nullptr) NameRest(request->mutable_output_slice());
+}
+
+void TensorSink::NameRest(v1::ExpertBackwardRequest* request) const {
+  if (region_ != nullptr) NameRest(request->mutable_output_slice());
+}
+
 void TensorSink::NameRest(v1::SharedMemorySlice* slice) const {
-  if (region_ == nullptr) return;
   slice->set_region(region_->name());
   slice->set_offset(next_);
   slice->set_byte_size(end_ > next_ ? end_ - next_ : 0);

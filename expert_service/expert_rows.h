@@ -57,10 +57,14 @@ class TensorSink {
 
   absl::Status Encode(const at::Tensor& tensor, v1::Tensor* out);
   // Client side: names the rest of the region, past the tensors placed so
-  // far, as the answer's slice; leaves `slice` alone when inline.
-  void NameRest(v1::SharedMemorySlice* slice) const;
+  // far, as the request's output_slice; sets none when inline (a service
+  // with --shared_memory refuses an empty one).
+  void NameRest(v1::ExpertForwardRequest* request) const;
+  void NameRest(v1::ExpertBackwardRequest* request) const;
 
  private:
+  void NameRest(v1::SharedMemorySlice* slice) const;
+
   std::shared_ptr<SharedMemoryRegion> region_;
   uint64_t next_ = 0;
   uint64_t end_ = 0;

@@ -24,6 +24,7 @@ struct RemoteMoE::ChunkCall {
   v1::ExpertForwardResponse response;
   absl::Status status;
   bool finished = false;  // guarded by InFlight::mu
+  expert::RegionLease lease;  // empty: the bytes go inline
 };
 
 // The calls of one Forward: sent as they are built, collected in call order.
@@ -69,6 +70,10 @@ absl::StatusOr<std::unique_ptr<RemoteMoE>> RemoteMoE::Create(const RemoteMoEOpti
     go.group_id = g;
     HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(go));
     moe->groups_.push_back(std::move(client));
+  }
+  if (options.shared_memory) {
+    moe->regions_ =
+        std::make_unique<expert::SharedRegionPool>(shape.num_groups(), kSharedRegionsPerGroup);
   }
   return moe;
 }
@@ -132,14 +137,21 @@ absl::Status RemoteMoE::BuildAndSend(int layer, const at::Tensor& x, const Routi
       const at::Tensor ids = d.expert_ids.to(at::kCPU).contiguous();
       const std::vector<int64_t> experts(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + n);
       for (int64_t begin = 0; begin < n; begin += rows_per_chunk) {
+        const int64_t end = std::min(n, begin + rows_per_chunk);
         auto owned = std::make_unique<ChunkCall>();
         ChunkCall* call = owned.get();
         call->group = static_cast<int>(g);
         call->request.set_layer(layer);
         call->request.set_request_id(request_id);
-        HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(rows, experts, begin,
-                                                       std::min(n, begin + rows_per_chunk),
-                                                       call->request.mutable_inputs()));
+        if (regions_ != nullptr) {
+          call->lease = regions_->Lease(
+              call->group, expert::SharedBytesFor(expert::RunLengths(experts, begin, end),
+                                                  row_bytes));
+        }
+        expert::TensorSink sink(call->lease.region());
+        HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(rows, experts, begin, end,
+                                                       call->request.mutable_inputs(), &sink));
+        sink.NameRest(&call->request);
         flight->calls.push_back(std::move(owned));
         groups_[g]->ForwardAsync(
             &call->request, &call->response,
@@ -178,14 +190,16 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteMoE::CollectOutputs(InFlight* flig
       first = call->status;
       continue;
     }
+    OwnSharedMemory own(call->lease.region());
     absl::StatusOr<at::Tensor> y =
         expert::ConcatExpertRows(call->response.mutable_outputs(), call->request.inputs(),
                                  options_.shape.d_model(),
-                                 absl::StrCat("expert group ", call->group, " outputs"));
+                                 absl::StrCat("expert group ", call->group, " outputs"), &own);
     if (!y.ok()) {
       first = y.status();
       continue;
     }
+    call->lease.Succeeded();
     pieces[call->group].push_back(*std::move(y));
   }
   HIMOE_RETURN_IF_ERROR(first);

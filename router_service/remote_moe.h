@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "expert_service/expert_client.h"
+#include "expert_service/shared_regions.h"
 #include "himoe/v1/model.pb.h"
 #include "model/moe_layers.h"
 #include "router_service/local_moe.h"
@@ -38,6 +39,11 @@ struct RemoteMoEOptions {
   // after another, so smaller ones cost it GEMM efficiency; larger ones slow
   // loopback gRPC down (README, "Chunking").
   int64_t chunk_bytes = 4 << 20;
+  // The rows and outputs go through POSIX shared memory, and each message
+  // carries only where: every group must run on this host with
+  // --shared_memory. A call that finds its group's regions all leased (more
+  // than kSharedRegionsPerGroup calls in flight) sends its bytes inline.
+  bool shared_memory = false;
 };
 
 // MoE layers whose experts live on remote expert-group services: routes
@@ -46,6 +52,9 @@ struct RemoteMoEOptions {
 class RemoteMoE final : public model::MoELayers {
  public:
   static absl::StatusOr<std::unique_ptr<RemoteMoE>> Create(const RemoteMoEOptions& options);
+
+  // Shared-memory regions a group keeps at most (RemoteMoEOptions.shared_memory).
+  static constexpr size_t kSharedRegionsPerGroup = 8;
 
   // Every group call ends by `deadline` at the latest (besides each group's
   // own deadline). `segments`: the row counts of the requests merged into x
@@ -70,6 +79,8 @@ class RemoteMoE final : public model::MoELayers {
   absl::Status VerifyGroups(std::chrono::milliseconds timeout);
 
   expert::ExpertGroupClient& group(int g) { return *groups_[g]; }
+  // Null unless options().shared_memory.
+  const expert::SharedRegionPool* shared_regions() const { return regions_.get(); }
   const RemoteMoEOptions& options() const { return options_; }
   // Not owned; may be null. Set before serving.
   void set_observer(ForwardObserver* observer) { observer_ = observer; }
@@ -93,6 +104,7 @@ class RemoteMoE final : public model::MoELayers {
   RemoteMoEOptions options_;
   std::vector<std::unique_ptr<RouterLayer>> routers_;
   std::vector<std::unique_ptr<expert::ExpertGroupClient>> groups_;
+  std::unique_ptr<expert::SharedRegionPool> regions_;  // null: shared memory off
   std::atomic<uint64_t> next_request_id_{1};
   ForwardObserver* observer_ = nullptr;
 };

@@ -77,6 +77,7 @@ absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& 
   o.moe.shape = ExpertShapeFromCluster(cluster);
   o.moe.wire_dtype = cluster.router().wire_dtype() == "bfloat16" ? c10::kBFloat16 : c10::kFloat;
   o.moe.chunk_bytes = cluster.router().chunk_bytes();
+  o.moe.shared_memory = cluster.router().shared_memory();
   for (const auto& g : cluster.groups()) {
     expert::ExpertGroupClientOptions go;
     go.addresses.push_back(g.address());

@@ -52,12 +52,14 @@ if [[ "${mode}" == serve ]]; then
   # (tests/bench/serve_bench.cc), then the MoE layer's cost per token as M
   # goes 1, 2, 4, 8 (N = 2M, k 1, T 4096 as a loaded router's batches, the
   # serving model's widths): the router's RemoteMoE to M himoe-expert
-  # processes (max(1, cores / M) threads each) / LocalMoE on every core, from
+  # processes (max(1, cores / M) threads each), with the rows in the gRPC
+  # messages and through shared memory, / LocalMoE on every core, from
   # himoe-bench. Writes runs/bench/serve.md.
   mkdir -p "${ROOT}/runs/bench"
   table="${ROOT}/runs/bench/serve.md"
   "${BUILD}/tests/bench/himoe-serve-bench" --out "${table}" "$@"
   ratios=()
+  shm_ratios=()
   for m in 1 2 4 8; do
     log="$(mktemp)"
     # Local and remote repetitions in random order, medians of 5: the VM's
@@ -70,7 +72,7 @@ if [[ "${mode}" == serve ]]; then
     for try in 1 2; do
       if OMP_WAIT_POLICY=PASSIVE "${BUILD}/tests/bench/himoe-bench" --num_groups="${m}" --num_experts=$((2 * m)) \
         --top_k=1 --tokens=4096 --d_model=256 --d_ff=1024 \
-        --benchmark_filter='^(local|remote_fp32)/' --benchmark_min_time=1 \
+        --benchmark_filter='^(local|remote_fp32|remote_shm)/' --benchmark_min_time=1 \
         --benchmark_repetitions=5 --benchmark_enable_random_interleaving=true \
         >"${log}" 2>&1; then
         break
@@ -79,18 +81,24 @@ if [[ "${mode}" == serve ]]; then
       tail -3 "${log}" >&2
       [[ "${try}" == 2 ]] && exit 1
     done
-    read -r local_tps remote_tps < <(sed -n 's/^tokens\/s: local \([0-9.]*\), remote_fp32 \([0-9.]*\),.*/\1 \2/p' "${log}")
+    read -r local_tps remote_tps shm_tps < <(sed -n 's/^tokens\/s: local \([0-9.]*\), remote_fp32 \([0-9.]*\), remote_bf16 [0-9.]*, remote_shm \([0-9.]*\)$/\1 \2 \3/p' "${log}")
     threads="$(sed -n 's/.* \([0-9]*\) expert processes x \([0-9]*\) threads.*/\2/p' "${log}")"
     rm -f "${log}"
     ratio="$(awk -v l="${local_tps}" -v r="${remote_tps}" 'BEGIN { printf "%.2f", l / r }')"
+    shm_ratio="$(awk -v l="${local_tps}" -v r="${shm_tps}" 'BEGIN { printf "%.2f", l / r }')"
     ratios+=("${ratio}")
-    awk -v m="${m}" -v t="${threads}" -v l="${local_tps}" -v r="${remote_tps}" -v q="${ratio}" \
-      'BEGIN { printf "| MoE layer, M %d (N %d, k 1), T 4096, %d expert processes x %d threads: local / remote us per token | %.1f / %.1f | %s |\n", m, 2 * m, m, t, 1e6 / l, 1e6 / r, q }' \
+    shm_ratios+=("${shm_ratio}")
+    awk -v m="${m}" -v t="${threads}" -v l="${local_tps}" -v r="${remote_tps}" -v s="${shm_tps}" \
+      -v q="${ratio}" -v qs="${shm_ratio}" \
+      'BEGIN { printf "| MoE layer, M %d (N %d, k 1), T 4096, %d expert processes x %d threads: local / remote / remote through shared memory, us per token | %.1f / %.1f / %.1f | %s / %s |\n", m, 2 * m, m, t, 1e6 / l, 1e6 / r, 1e6 / s, q, qs }' \
       | tee -a "${table}"
   done
-  printf '%s\n' "${ratios[@]}" | sort -g | awk 'NR == 1 { lo = $1 } { hi = $1 }
-    END { printf "| remote / local per token, M 1 to 8: largest / smallest | %.2f / %.2f | %.2f |\n", hi, lo, hi / lo }' \
-    | tee -a "${table}"
+  spread() {
+    printf '%s\n' "${@:2}" | sort -g | awk -v what="$1" 'NR == 1 { lo = $1 } { hi = $1 }
+      END { printf "| remote / local per token, M 1 to 8, %s: largest / smallest | %.2f / %.2f | %.2f |\n", what, hi, lo, hi / lo }'
+  }
+  spread "rows in the messages" "${ratios[@]}" | tee -a "${table}"
+  spread "rows through shared memory" "${shm_ratios[@]}" | tee -a "${table}"
   exit 0
 fi
 if [[ "${mode}" == generate_remote ]]; then

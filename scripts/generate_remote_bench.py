@@ -63,12 +63,18 @@ def main():
     ap.add_argument("--block_size", type=int, default=256)
     ap.add_argument("--kv_prompt", type=int, default=192)
     ap.add_argument("--kv_new_tokens", type=int, default=64)
+    ap.add_argument("--shared_memory", type=int, default=1,
+                    help="1: the router's rows to the groups through POSIX shared memory "
+                         "(router.shared_memory, as deploy/local/cluster.textproto), 0: in "
+                         "the gRPC messages")
     a = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix="himoe-generate-")
     router_pb2, router_pb2_grpc, _ = stubs(os.path.join(work, "gen"))
     model = ["--num_groups=4", "--num_experts=8", "--num_layers=2", "--d_model=256",
              "--d_ff=1024", "--seed=1", "--threads=1", "--metrics_port=-1"]
+    if a.shared_memory:
+        model.append("--shared_memory")
     procs = []
     try:
         ports = []
@@ -86,6 +92,7 @@ def main():
                     "num_groups: 4 top_k: 1 seed: 1 }\nrouting { method: \"himoe\" }\n")
             for p in ports:
                 f.write(f"groups {{ address: \"127.0.0.1:{p}\" }}\n")
+            f.write(f"router {{ shared_memory: {'true' if a.shared_memory else 'false'} }}\n")
         served = os.path.join(work, "served")
         with open(os.path.join(work, "train.log"), "w") as log:
             subprocess.run(
@@ -182,7 +189,8 @@ def main():
                 if l.startswith("model name")), platform.machine())
     lines = [f"Measured {datetime.date.today()} on {cpu}, {os.cpu_count()} cores: 4 "
              "himoe-expert processes (1 thread each), himoe-router --checkpoint (1 thread) "
-             f"and this client on the same host; block {a.block_size}, prompt {len(PROMPT)} "
+             f"and this client on the same host, the router's rows to the groups "
+             f"{'through shared memory' if a.shared_memory else 'in the gRPC messages'}; block {a.block_size}, prompt {len(PROMPT)} "
              f"bytes, {a.new_tokens} new tokens per stream, temperature 0.8, top-k 40.", "",
              f"| rep | 1 stream, tokens/s | {a.streams} streams, tokens/s (total) | ratio |",
              "|---:|---:|---:|---:|"]

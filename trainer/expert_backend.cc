@@ -18,6 +18,7 @@
 #include "expert_service/expert_group.h"
 #include "expert_service/expert_optimizer.h"
 #include "expert_service/expert_rows.h"
+#include "expert_service/shared_regions.h"
 
 namespace himoe::trainer {
 namespace {
@@ -166,40 +167,9 @@ struct RemoteCall {
   std::vector<v1::ExpertForwardRequest> requests;  // row data dropped after sending
 };
 
-// A group's shared-memory regions, reused by one call after another: a call
-// leases one for its request and answer, and one that fails drops it (a
-// late answer may still write there), so a later call makes a new one.
-// Calls in flight at once (micro-batches) lease one each.
-struct GroupMemory {
-  struct Slot {
-    std::shared_ptr<SharedMemoryRegion> region;
-    bool leased = false;
-  };
-  std::vector<Slot> slots;
-};
-
 // Regions per group at most; a call that finds them all leased sends its
 // bytes in the messages.
 constexpr size_t kMaxRegionsPerGroup = 4;
-
-// The bytes a call's request and answer take in a region: each run of
-// `run_rows` rows at an aligned offset, the answer after the request.
-uint64_t SharedBytesFor(const std::vector<int64_t>& run_rows, int64_t row_bytes) {
-  uint64_t bytes = 0;
-  for (const int64_t rows : run_rows) bytes = AlignSharedOffset(bytes + rows * row_bytes);
-  return 2 * bytes;
-}
-
-// The lengths of the runs of equal ids in `experts`.
-std::vector<int64_t> RunLengths(const std::vector<int64_t>& experts) {
-  std::vector<int64_t> lengths;
-  for (size_t begin = 0, i = 1; i <= experts.size(); ++i) {
-    if (i < experts.size() && experts[i] == experts[begin]) continue;
-    lengths.push_back(static_cast<int64_t>(i - begin));
-    begin = i;
-  }
-  return lengths;
-}
 
 class RemoteBackend final : public ExpertBackend {
  public:
@@ -336,54 +306,20 @@ class RemoteBackend final : public ExpertBackend {
     return call;
   }
 
-  // A region of group `group` with room for `bytes`, leased to the caller
-  // (made or grown here), or null: shared memory is off, every region of the
-  // group is leased already, or none can be made (then shared memory goes
-  // off).
-  std::shared_ptr<SharedMemoryRegion> LeaseRegion(int group, uint64_t bytes) {
-    if (!options_.shared_memory) return nullptr;
-    std::lock_guard<std::mutex> lock(memory_mu_);
-    if (shared_memory_failed_) return nullptr;
-    std::vector<GroupMemory::Slot>& slots = memory_[group].slots;
-    auto free = std::find_if(slots.begin(), slots.end(),
-                             [](const GroupMemory::Slot& s) { return !s.leased; });
-    if (free == slots.end() && slots.size() >= kMaxRegionsPerGroup) return nullptr;
-    GroupMemory::Slot* slot = free != slots.end() ? &*free : &slots.emplace_back();
-    if (slot->region == nullptr || slot->region->size() < bytes) {
-      // Whole MiB, and twice the last size, so a growing batch remaps rarely.
-      constexpr uint64_t kMiB = 1 << 20;
-      const uint64_t size =
-          std::max<uint64_t>((bytes + kMiB - 1) / kMiB * kMiB,
-                             slot->region == nullptr ? 0 : 2 * slot->region->size());
-      slot->region.reset();
-      auto made = SharedMemoryRegion::Create(absl::StrCat("g", group), size);
-      if (!made.ok()) {
-        LOG(WARNING) << "expert group " << group << ": no shared memory (" << made.status()
-                     << "); the rows go in the gRPC messages from now on";
-        shared_memory_failed_ = true;
-        return nullptr;
-      }
-      slot->region = std::move(*made);
-    }
-    slot->leased = true;
-    return slot->region;
-  }
-  // Ends the lease of `region`; `ok` false drops it (a late answer may write
-  // it).
-  void ReturnRegion(int group, const SharedMemoryRegion* region, bool ok) {
-    std::lock_guard<std::mutex> lock(memory_mu_);
-    for (GroupMemory::Slot& s : memory_[group].slots) {
-      if (s.region.get() != region) continue;
-      s.leased = false;
-      if (!ok) s.region.reset();
-    }
+  // A lease of a region of `group` with room for `bytes`; empty when shared
+  // memory is off or the group's regions are all leased.
+  expert::RegionLease LeaseRegion(int group, uint64_t bytes) {
+    return regions_ == nullptr ? expert::RegionLease() : regions_->Lease(group, bytes);
   }
 
   MicroBatchTurns* turns() const { return options_.turns; }
 
  private:
   explicit RemoteBackend(const ExpertBackendOptions& o)
-      : options_(o), memory_(o.shape.num_groups()) {}
+      : options_(o),
+        regions_(o.shared_memory ? std::make_unique<expert::SharedRegionPool>(
+                                       o.shape.num_groups(), kMaxRegionsPerGroup)
+                                 : nullptr) {}
 
   // Every group's Step call at once; the first error wins.
   absl::Status SendSteps(const std::vector<v1::ExpertStepRequest>& requests,
@@ -407,9 +343,7 @@ class RemoteBackend final : public ExpertBackend {
 
   ExpertBackendOptions options_;
   std::vector<std::unique_ptr<expert::ExpertGroupClient>> clients_;
-  std::mutex memory_mu_;
-  std::vector<GroupMemory> memory_;
-  bool shared_memory_failed_ = false;
+  std::unique_ptr<expert::SharedRegionPool> regions_;  // null: shared memory off
   std::atomic<uint64_t> next_request_id_{1};
   std::mutex mu_;
   uint64_t next_handle_ = 1;
@@ -490,34 +424,13 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::Forward(
   return by_group;
 }
 
-// The regions a call's groups leased; returned when it goes, dropped unless
-// the call succeeded.
-class Leases {
- public:
-  Leases(RemoteBackend* backend, const std::vector<int>& groups)
-      : backend_(backend), groups_(groups), regions_(groups.size()) {}
-  ~Leases() {
-    for (size_t i = 0; i < groups_.size(); ++i) {
-      if (regions_[i] != nullptr) backend_->ReturnRegion(groups_[i], regions_[i].get(), ok_);
-    }
-  }
-  std::shared_ptr<SharedMemoryRegion>& operator[](size_t i) { return regions_[i]; }
-  void Succeeded() { ok_ = true; }
-
- private:
-  RemoteBackend* backend_;
-  const std::vector<int>& groups_;
-  std::vector<std::shared_ptr<SharedMemoryRegion>> regions_;
-  bool ok_ = false;
-};
-
 absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
     RemoteCall& call, const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& ids,
     bool save) {
   const size_t n = call.groups.size();
   call.requests.assign(n, v1::ExpertForwardRequest());
   std::vector<v1::ExpertForwardResponse> responses(n);
-  Leases leases(this, call.groups);
+  std::vector<expert::RegionLease> leases(n);
   {
     HIMOE_PROFILE_SCOPE("expert RPC: encode");
     for (size_t i = 0; i < n; ++i) {
@@ -533,11 +446,13 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
                                          cpu_ids.data_ptr<int64_t>() + cpu_ids.numel());
       const at::Tensor wire = rows[i].detach().to(options_.wire_dtype).contiguous();
       const int64_t row_bytes = wire.size(1) * wire.element_size();
-      leases[i] = LeaseRegion(call.groups[i], SharedBytesFor(RunLengths(experts), row_bytes));
-      expert::TensorSink sink(leases[i]);
+      leases[i] = LeaseRegion(call.groups[i],
+                              expert::SharedBytesFor(
+                                  expert::RunLengths(experts, 0, experts.size()), row_bytes));
+      expert::TensorSink sink(leases[i].region());
       HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(wire, experts, 0, rows[i].size(0),
                                                      r.mutable_inputs(), &sink));
-      sink.NameRest(r.mutable_output_slice());
+      sink.NameRest(&r);
     }
   }
   {
@@ -551,7 +466,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
   HIMOE_PROFILE_SCOPE("expert RPC: decode");
   std::vector<at::Tensor> outputs;
   for (size_t i = 0; i < n; ++i) {
-    OwnSharedMemory own(leases[i]);
+    OwnSharedMemory own(leases[i].region());
     HIMOE_ASSIGN_OR_RETURN(
         at::Tensor y,
         expert::ConcatExpertRows(responses[i].mutable_outputs(), call.requests[i].inputs(),
@@ -564,7 +479,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
     }
     call.requests[i].clear_output_slice();
   }
-  leases.Succeeded();
+  for (expert::RegionLease& lease : leases) lease.Succeeded();
   return outputs;
 }
 
@@ -573,7 +488,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
   const size_t n = call.groups.size();
   std::vector<v1::ExpertBackwardRequest> requests(n);
   std::vector<v1::ExpertBackwardResponse> responses(n);
-  Leases leases(this, call.groups);
+  std::vector<expert::RegionLease> leases(n);
   {
     HIMOE_PROFILE_SCOPE("expert RPC: encode");
     const int64_t row_bytes = d_model() * c10::elementSize(options_.wire_dtype);
@@ -589,8 +504,8 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
                                               : at::Tensor();
       std::vector<int64_t> run_rows;
       for (const v1::ExpertRows& in : f.inputs()) run_rows.push_back(in.rows().shape(0));
-      leases[i] = LeaseRegion(call.groups[i], SharedBytesFor(run_rows, row_bytes));
-      expert::TensorSink sink(leases[i]);
+      leases[i] = LeaseRegion(call.groups[i], expert::SharedBytesFor(run_rows, row_bytes));
+      expert::TensorSink sink(leases[i].region());
       int64_t row = 0;
       for (size_t k = 0; k < run_rows.size(); ++k) {
         v1::ExpertRows* out = r.add_output_grads();
@@ -601,7 +516,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
         HIMOE_RETURN_IF_ERROR(sink.Encode(part, out->mutable_rows()));
         row += run_rows[k];
       }
-      sink.NameRest(r.mutable_output_slice());
+      sink.NameRest(&r);
     }
   }
   {
@@ -615,7 +530,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
   HIMOE_PROFILE_SCOPE("expert RPC: decode");
   std::vector<at::Tensor> input_grads;
   for (size_t i = 0; i < n; ++i) {
-    OwnSharedMemory own(leases[i]);
+    OwnSharedMemory own(leases[i].region());
     HIMOE_ASSIGN_OR_RETURN(at::Tensor g, expert::ConcatExpertRows(
                                              responses[i].mutable_input_grads(),
                                              call.requests[i].inputs(), d_model(),
@@ -624,7 +539,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
                                              &own));
     input_grads.push_back(std::move(g));  // float32, whatever the wire's dtype
   }
-  leases.Succeeded();
+  for (expert::RegionLease& lease : leases) lease.Succeeded();
   return input_grads;
 }
 

@@ -126,6 +126,7 @@ struct Launcher {
     o.device = group.device();
     o.threads = ServiceThreads(cluster, group.threads());
     o.tls = ClusterTls(cluster);
+    o.shared_memory = cluster.router().shared_memory();
     local::ServiceSpec spec;
     spec.name = absl::StrCat("expert group ", g);
     spec.log_path = absl::StrCat(log_dir, "/expert-", g, ".log");

@@ -30,7 +30,7 @@ struct ExpertProcessOptions {
   TlsFiles tls;
   // --shared_memory: the groups take tensors through POSIX shared memory
   // from clients on this host that send them that way (himoe-trainer's own
-  // groups; not himoe-cluster's, whose clients are not known).
+  // groups; himoe-cluster's with router.shared_memory).
   bool shared_memory = false;
 };
 

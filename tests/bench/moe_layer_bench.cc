@@ -4,6 +4,9 @@
 //   remote_fp32  RemoteMoE (the router's dispatch path) -> M himoe-expert
 //                processes on 127.0.0.1, rows and outputs as float32 on the wire
 //   remote_bf16  the same with bfloat16 on the wire
+//   remote_shm   remote_fp32 with the rows and outputs in POSIX shared memory
+//                (RemoteMoEOptions.shared_memory; the processes run with
+//                --shared_memory), gRPC carrying only where
 //
 // Same seed (so the same gate and expert weights) and the same input for all.
 // Before timing, remote_fp32 must match local within 1e-4 (max abs) and
@@ -384,7 +387,8 @@ absl::Status Run() {
       {absl::StrCat("--num_groups=", groups), absl::StrCat("--num_experts=", routing.num_experts),
        "--num_layers=1", absl::StrCat("--d_model=", d), absl::StrCat("--d_ff=", d_ff),
        absl::StrCat("--seed=", seed), absl::StrCat("--threads=", expert_threads),
-       "--dtype=float32", absl::StrCat("--max_tokens=", std::max<int64_t>(tokens, 65536))},
+       "--dtype=float32", absl::StrCat("--max_tokens=", std::max<int64_t>(tokens, 65536)),
+       "--shared_memory"},
       absl::Seconds(absl::GetFlag(FLAGS_startup_timeout_s))));
 
   at::manual_seed(seed);
@@ -404,13 +408,14 @@ absl::Status Run() {
   lo.layer = 0;
   HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<LocalMoE> local, LocalMoE::Create(lo));
 
-  auto make_remote = [&](c10::ScalarType wire, int64_t chunk)
+  auto make_remote = [&](c10::ScalarType wire, int64_t chunk, bool shared_memory = false)
       -> absl::StatusOr<std::unique_ptr<RemoteMoE>> {
     router::RemoteMoEOptions o;
     o.routing = routing;
     o.shape = shape;
     o.wire_dtype = wire;
     o.chunk_bytes = chunk;
+    o.shared_memory = shared_memory;
     for (int g = 0; g < groups; ++g) {
       expert::ExpertGroupClientOptions go;
       go.addresses = {absl::StrCat("127.0.0.1:", cluster.ports()[g])};
@@ -422,6 +427,8 @@ absl::Status Run() {
   HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<RemoteMoE> remote_fp32, make_remote(at::kFloat, chunk_bytes));
   HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<RemoteMoE> remote_bf16,
                    make_remote(at::kBFloat16, chunk_bytes));
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<RemoteMoE> remote_shm,
+                         make_remote(at::kFloat, chunk_bytes, /*shared_memory=*/true));
   std::vector<std::unique_ptr<RemoteMoE>> swept;
   for (const int64_t b : sweep) {
     HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<RemoteMoE> r, make_remote(at::kFloat, b));
@@ -434,13 +441,19 @@ absl::Status Run() {
     HIMOE_ASSIGN_OR_RETURN(const MoEOutput want, local->Forward(x, /*training=*/false));
     HIMOE_ASSIGN_OR_RETURN(const MoEOutput got32, remote_fp32->Forward(0, x));
     HIMOE_ASSIGN_OR_RETURN(const MoEOutput got16, remote_bf16->Forward(0, x));
+    HIMOE_ASSIGN_OR_RETURN(const MoEOutput got_shm, remote_shm->Forward(0, x));
     const double err32 = (got32.output - want.output).abs().max().item<double>();
+    const double err_shm = (got_shm.output - want.output).abs().max().item<double>();
     const double rel16 =
         ((got16.output - want.output).norm() / want.output.norm()).item<double>();
     std::printf("check: remote_fp32 max|diff| = %.3g (<= 1e-4), remote_bf16 relative = %.3g "
                 "(< 2e-2)\n", err32, rel16);
     if (!(err32 <= 1e-4)) {
       return absl::InternalError(absl::StrCat("remote_fp32 differs from local by ", err32));
+    }
+    std::printf("check: remote_shm max|diff| = %.3g (<= 1e-4)\n", err_shm);
+    if (!(err_shm <= 1e-4)) {
+      return absl::InternalError(absl::StrCat("remote_shm differs from local by ", err_shm));
     }
     if (!(rel16 < 2e-2)) {
       return absl::InternalError(absl::StrCat("remote_bf16 relative error ", rel16));
@@ -458,6 +471,7 @@ absl::Status Run() {
   const std::string local_name = absl::StrCat("local/threads:", at::get_num_threads());
   const std::string fp32_name = absl::StrCat("remote_fp32/chunk:", BytesName(chunk_bytes));
   const std::string bf16_name = absl::StrCat("remote_bf16/chunk:", BytesName(chunk_bytes));
+  const std::string shm_name = absl::StrCat("remote_shm/chunk:", BytesName(chunk_bytes));
   auto reg = [&](const std::string& name, ForwardFn fn, const ExpertCluster* experts) {
     benchmark::RegisterBenchmark(name.c_str(), [fn, tokens, experts](benchmark::State& s) {
       RunForwards(s, fn, tokens, experts);
@@ -466,6 +480,7 @@ absl::Status Run() {
   reg(local_name, [&] { return local->Forward(x, /*training=*/false); }, nullptr);
   reg(fp32_name, [&] { return remote_fp32->Forward(0, x); }, &cluster);
   reg(bf16_name, [&] { return remote_bf16->Forward(0, x); }, &cluster);
+  reg(shm_name, [&] { return remote_shm->Forward(0, x); }, &cluster);
   for (size_t i = 0; i < swept.size(); ++i) {
     RemoteMoE* r = swept[i].get();
     reg(absl::StrCat("remote_fp32/chunk:", BytesName(sweep[i])),
@@ -477,8 +492,8 @@ absl::Status Run() {
   auto rate = [&](const std::string& name) { return reporter.rate(name); };
   const double local_rate = rate(local_name);
   if (local_rate > 0) {
-    std::printf("\ntokens/s: local %.0f, remote_fp32 %.0f, remote_bf16 %.0f\n", local_rate,
-                rate(fp32_name), rate(bf16_name));
+    std::printf("\ntokens/s: local %.0f, remote_fp32 %.0f, remote_bf16 %.0f, remote_shm %.0f\n",
+                local_rate, rate(fp32_name), rate(bf16_name), rate(shm_name));
     for (size_t i = 0; i < sweep.size(); ++i) {
       const std::string name = absl::StrCat("remote_fp32/chunk:", BytesName(sweep[i]));
       if (rate(name) > 0) {
@@ -486,8 +501,9 @@ absl::Status Run() {
                     rate(name) / local_rate);
       }
     }
-    std::printf("ratio fp32 = %.3f, ratio bf16 = %.3f\n", rate(fp32_name) / local_rate,
-                rate(bf16_name) / local_rate);
+    std::printf("ratio fp32 = %.3f, ratio bf16 = %.3f, ratio shm = %.3f\n",
+                rate(fp32_name) / local_rate, rate(bf16_name) / local_rate,
+                rate(shm_name) / local_rate);
   } else {
     std::printf("\n(no ratio: the local benchmark did not run; see --benchmark_filter)\n");
   }

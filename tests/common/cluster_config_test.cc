@@ -42,6 +42,12 @@ TEST(ClusterConfigTest, FillsTheDocumentedDefaults) {
   EXPECT_EQ(c->router().max_queue_requests(), 4096);
   EXPECT_EQ(c->router().max_batches_in_flight(), 2);
   EXPECT_EQ(c->router().max_tokens_per_request(), 65536);
+  EXPECT_FALSE(c->router().shared_memory());
+  // Groups on this host may take the rows through shared memory.
+  auto shared = ParseClusterConfig(
+      absl::StrCat(kTwoGroups, "router { shared_memory: true }"), "test");
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  EXPECT_TRUE(shared->router().shared_memory());
 }
 
 TEST(ClusterConfigTest, EachBadFieldIsNamedWithTheFile) {
@@ -71,6 +77,12 @@ TEST(ClusterConfigTest, EachBadFieldIsNamedWithTheFile) {
       {"model { d_model: 8 d_ff: 16 num_experts: 2 } groups { address: \"h:1\" } "
        "tls { ca: \"ca.pem\" }",
        "tls: ca, cert and key are all needed"},
+      {"model { d_model: 8 d_ff: 16 num_experts: 2 } groups { address: \"10.0.0.5:1\" } "
+       "router { shared_memory: true }",
+       "router.shared_memory needs every group on this host; groups[0].address is 10.0.0.5:1"},
+      {"model { d_model: 8 d_ff: 16 num_experts: 2 } "
+       "groups { address: \"127.0.0.1:1\" replicas: \"h:2\" } router { shared_memory: true }",
+       "groups[0].replicas[0] is h:2"},
       {"model { d_model: 8 } bogus: 1", "not a valid ClusterConfig text proto: line 1:"},
   };
   for (const auto& c : cases) {

@@ -7,6 +7,7 @@
 // guards below kill and reap them on every path, and "no child left" is
 // checkable with waitpid(-1).
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -223,7 +224,8 @@ std::string BuildRoot() {
 
 // Group metrics ports: 0 = none.
 std::string SmallCluster(int group0_port, int group1_port, int router_port,
-                         int group0_metrics = 0, int group1_metrics = 0, int threads = 1) {
+                         int group0_metrics = 0, int group1_metrics = 0, int threads = 1,
+                         const std::string& router_extra = "") {
   return absl::StrCat(R"(
 model {
   num_layers: 1
@@ -239,7 +241,7 @@ groups { address: "127.0.0.1:)", group0_port, R"(" threads: )", threads, R"( met
                       group0_metrics, R"( }
 groups { address: "127.0.0.1:)", group1_port, R"(" threads: )", threads, R"( metrics_port: )",
                       group1_metrics, R"( }
-router { address: "127.0.0.1:)", router_port, R"(" metrics_port: 0 }
+router { address: "127.0.0.1:)", router_port, R"(" metrics_port: 0 )", router_extra, R"( }
 )");
 }
 
@@ -267,7 +269,7 @@ class LauncherTest : public ::testing::Test {
                                          : std::vector<int>{0, 0};
     cluster_file_ = dir_.path() + "/cluster.textproto";
     WriteFile(cluster_file_, SmallCluster(ports[0], ports[1], ports[2], group_metrics_ports_[0],
-                                          group_metrics_ports_[1], threads) +
+                                          group_metrics_ports_[1], threads, router_extra_) +
                                  cluster_extra_);
     log_dir_ = dir_.path() + "/logs";
     std::vector<std::string> args = {HIMOE_CLUSTER_BINARY, "--cluster=" + cluster_file_,
@@ -291,8 +293,30 @@ class LauncherTest : public ::testing::Test {
     }
   }
 
+  // One RouteForward of 5 tokens to layer 0 of the cluster's router.
+  void RouteFiveTokens(LauncherProcess& launcher) {
+    auto router = v1::RouterService::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", router_port_), grpc::InsecureChannelCredentials()));
+    const at::Tensor hidden = torch::randn({5, 16});
+    v1::RouteForwardRequest request;
+    request.set_layer(0);
+    ASSERT_TRUE(EncodeTensor(hidden, request.mutable_hidden()).ok());
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::RouteForwardResponse response;
+    const grpc::Status status = router->RouteForward(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message() << "\n" << launcher.Output();
+    absl::StatusOr<at::Tensor> output = DecodeTensor(response.output(), "output");
+    ASSERT_TRUE(output.ok()) << output.status();
+    EXPECT_EQ(output->sizes(), (std::vector<int64_t>{5, 16}));
+    EXPECT_EQ(output->scalar_type(), at::kFloat);
+    EXPECT_TRUE(torch::isfinite(*output).all().item<bool>());
+    EXPECT_GT(output->abs().sum().item<float>(), 0.0f);
+  }
+
   test_util::TempDir dir_{"himoe_launcher_test"};
   std::string cluster_extra_;  // appended to the cluster file
+  std::string router_extra_;   // inside its router { }
   std::string cluster_file_, log_dir_;
   std::vector<int> group_ports_;
   std::vector<int> group_metrics_ports_;
@@ -326,25 +350,7 @@ TEST_F(LauncherTest, StartsServesAndStopsOnSigint) {
     EXPECT_EQ(port, router_port_);
   }
 
-  {
-    auto router = v1::RouterService::NewStub(grpc::CreateChannel(
-        absl::StrCat("127.0.0.1:", router_port_), grpc::InsecureChannelCredentials()));
-    const at::Tensor hidden = torch::randn({5, 16});
-    v1::RouteForwardRequest request;
-    request.set_layer(0);
-    ASSERT_TRUE(EncodeTensor(hidden, request.mutable_hidden()).ok());
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    v1::RouteForwardResponse response;
-    const grpc::Status status = router->RouteForward(&context, request, &response);
-    ASSERT_TRUE(status.ok()) << status.error_message() << "\n" << launcher.Output();
-    absl::StatusOr<at::Tensor> output = DecodeTensor(response.output(), "output");
-    ASSERT_TRUE(output.ok()) << output.status();
-    EXPECT_EQ(output->sizes(), (std::vector<int64_t>{5, 16}));
-    EXPECT_EQ(output->scalar_type(), at::kFloat);
-    EXPECT_TRUE(torch::isfinite(*output).all().item<bool>());
-    EXPECT_GT(output->abs().sum().item<float>(), 0.0f);
-  }
+  ASSERT_NO_FATAL_FAILURE(RouteFiveTokens(launcher));
   for (int g = 0; g < 2; ++g) {
     auto expert = v1::ExpertService::NewStub(grpc::CreateChannel(
         absl::StrCat("127.0.0.1:", group_ports_[g]), grpc::InsecureChannelCredentials()));
@@ -445,6 +451,46 @@ TEST_F(LauncherTest, ThreadsZeroSharesTheHostsCoresAmongItsServices) {
   const std::optional<int> status = launcher.WaitExit(kExitBound);
   ASSERT_TRUE(status.has_value()) << launcher.Output();
   EXPECT_EQ(WEXITSTATUS(*status), 0) << launcher.Output();
+}
+
+// The POSIX shared-memory objects process `pid` made (SharedMemoryRegion
+// names them "/himoe-<pid>-...").
+int SharedMemoryObjectsOf(pid_t pid) {
+  const std::string prefix = absl::StrCat("himoe-", pid, "-");
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return -1;
+  int count = 0;
+  while (const dirent* entry = readdir(dir)) {
+    if (std::string(entry->d_name).rfind(prefix, 0) == 0) ++count;
+  }
+  closedir(dir);
+  return count;
+}
+
+// router.shared_memory: the groups are started with --shared_memory, the
+// router's rows reach them through regions of its own (one per group that
+// got rows), and the regions go with the router.
+TEST_F(LauncherTest, RouterSharedMemoryStartsTheGroupsWithIt) {
+  router_extra_ = "shared_memory: true";
+  LauncherProcess launcher;
+  ASSERT_NO_FATAL_FAILURE(StartSmallCluster(launcher));
+  for (int g = 0; g < 2; ++g) {
+    EXPECT_THAT(ReadFile(absl::StrCat(log_dir_, "/expert-", g, ".log")),
+                HasSubstr("--shared_memory"));
+  }
+  EXPECT_EQ(SharedMemoryObjectsOf(router_pid_), 0);
+  ASSERT_NO_FATAL_FAILURE(RouteFiveTokens(launcher));
+  // k = 1 in each of the 2 groups: every token went to both.
+  EXPECT_EQ(SharedMemoryObjectsOf(router_pid_), 2);
+
+  ASSERT_EQ(kill(launcher.pid(), SIGINT), 0);
+  const std::optional<int> status = launcher.WaitExit(kExitBound);
+  ASSERT_TRUE(status.has_value()) << "himoe-cluster did not exit after SIGINT\n"
+                                  << launcher.Output();
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << launcher.Output();
+  EXPECT_TRUE(WaitGone(router_pid_, std::chrono::seconds(10)));
+  EXPECT_EQ(SharedMemoryObjectsOf(router_pid_), 0);
+  EXPECT_TRUE(NoChildLeft());
 }
 
 TEST_F(LauncherTest, StopsEverythingAndFailsWhenAServiceDies) {

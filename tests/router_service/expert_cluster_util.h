@@ -29,13 +29,15 @@ inline v1::ExpertShape Shape() {
   return s;
 }
 
-// An in-process himoe-expert serving group `group` of that model.
+// An in-process himoe-expert serving group `group` of that model (with
+// --shared_memory when `shared_memory`).
 inline std::unique_ptr<expert::ExpertServer> StartExpert(
-    int group, const std::string& address = "127.0.0.1:0") {
+    int group, const std::string& address = "127.0.0.1:0", bool shared_memory = false) {
   expert::ExpertServerOptions o;
   o.address = address;
   o.core.shape = Shape();
   o.core.group_id = group;
+  o.core.shared_memory = shared_memory;
   auto server = expert::ExpertServer::Start(o);
   EXPECT_TRUE(server.ok()) << server.status();
   return server.ok() ? std::move(server).value() : nullptr;

@@ -166,6 +166,48 @@ TEST_F(RouterServiceTest, ChunkedDispatchMatchesLocalMoE) {
   EXPECT_LE(MaxAbsDiff(Output(*got), Reference(o.moe.routing, 1, x).output), 1e-5);
 }
 
+// router.shared_memory: the rows and outputs go through regions the router
+// leases, the same outputs as LocalMoE. A group's regions are reused from
+// one request to the next; past kSharedRegionsPerGroup calls in flight, a
+// call sends its bytes inline.
+TEST_F(RouterServiceTest, SharedMemoryMatchesLocalMoEAndReusesItsRegions) {
+  experts_.clear();
+  for (int g = 0; g < kM; ++g) experts_.push_back(StartExpert(g, "127.0.0.1:0", true));
+  for (const int64_t chunk_rows : {int64_t{0}, int64_t{10}}) {
+    RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+    o.moe.shared_memory = true;
+    if (chunk_rows > 0) o.moe.chunk_bytes = chunk_rows * kD * 4;
+    StartRouter(o);
+    const expert::SharedRegionPool* regions = router_->moe().shared_regions();
+    ASSERT_NE(regions, nullptr);
+    for (int request = 0; request < 3; ++request) {
+      const at::Tensor x = at::randn({200, kD});
+      auto got = Route(request % kLayers, x);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_LE(MaxAbsDiff(Output(*got), Reference(o.moe.routing, request % kLayers, x).output),
+                1e-5);
+      // k = 1 in every group: each gets all 200 rows, in one call, or in 20
+      // of 10 rows of which the first 8 lease a region each.
+      for (int g = 0; g < kM; ++g) {
+        EXPECT_EQ(regions->regions(g), chunk_rows > 0 ? RemoteMoE::kSharedRegionsPerGroup : 1)
+            << "group " << g << ", request " << request;
+      }
+    }
+  }
+}
+
+TEST_F(RouterServiceTest, SharedMemoryToGroupsWithoutItFailsNamingTheFlag) {
+  RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+  o.moe.shared_memory = true;
+  StartRouter(o);
+  auto got = Route(0, at::randn({8, kD}));
+  ASSERT_FALSE(got.ok());
+  EXPECT_THAT(got.status().message(), HasSubstr("--shared_memory"));
+  EXPECT_THAT(got.status().message(), HasSubstr("expert group"));
+  // A failed call's region is dropped (a late answer may still write it).
+  for (int g = 0; g < kM; ++g) EXPECT_EQ(router_->moe().shared_regions()->regions(g), 0u);
+}
+
 TEST_F(RouterServiceTest, Bf16OnTheWireWithinDocumentedTolerance) {
   RouterServerOptions o = Options(RoutingMethod::kHiMoe);
   o.moe.wire_dtype = at::kBFloat16;
