@@ -1,6 +1,8 @@
 #include "common/shared_memory.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,12 +29,9 @@ absl::Status Errno(absl::string_view what, const std::string& name) {
   return e == ENOENT ? absl::NotFoundError(message) : absl::UnavailableError(message);
 }
 
-// Maps `fd` (closed on every path) whole.
 absl::StatusOr<uint8_t*> MapWhole(int fd, uint64_t bytes, const std::string& name) {
   void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const absl::Status status = base == MAP_FAILED ? Errno("mmap", name) : absl::OkStatus();
-  close(fd);
-  if (!status.ok()) return status;
+  if (base == MAP_FAILED) return Errno("mmap", name);
   return static_cast<uint8_t*>(base);
 }
 
@@ -57,6 +56,15 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Create(
   if (absl::Status s = CheckSharedMemoryName(name, "shared memory tag"); !s.ok()) return s;
   const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   if (fd < 0) return Errno("shm_open", name);
+  const auto fail = [&](absl::Status s) {
+    close(fd);
+    shm_unlink(name.c_str());
+    return s;
+  };
+  // A shared lock, held until the region goes and dropped by the kernel
+  // however this process ends: RemoveOrphanedSharedMemory tells a live
+  // creator's object by it. Taken before the object has a size.
+  if (flock(fd, LOCK_SH) != 0) return fail(Errno("locking", name));
   // posix_fallocate, not only ftruncate: the pages are taken now, so a full
   // /dev/shm is an error here rather than a SIGBUS at the first write.
   const int err = ftruncate(fd, static_cast<off_t>(bytes)) != 0
@@ -64,18 +72,12 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Create(
                       : posix_fallocate(fd, 0, static_cast<off_t>(bytes));
   if (err != 0) {
     errno = err;
-    const absl::Status s = Errno("allocating", name);
-    close(fd);
-    shm_unlink(name.c_str());
-    return s;
+    return fail(Errno("allocating", name));
   }
   auto base = MapWhole(fd, bytes, name);
-  if (!base.ok()) {
-    shm_unlink(name.c_str());
-    return base.status();
-  }
+  if (!base.ok()) return fail(base.status());
   return std::unique_ptr<SharedMemoryRegion>(
-      new SharedMemoryRegion(name, *base, bytes, /*owner=*/true));
+      new SharedMemoryRegion(name, *base, bytes, /*owner=*/true, fd));
 }
 
 absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Open(
@@ -96,14 +98,40 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Open(
   }
   const uint64_t bytes = static_cast<uint64_t>(st.st_size);
   auto base = MapWhole(fd, bytes, name);
+  close(fd);
   if (!base.ok()) return base.status();
   return std::unique_ptr<SharedMemoryRegion>(
-      new SharedMemoryRegion(name, *base, bytes, /*owner=*/false));
+      new SharedMemoryRegion(name, *base, bytes, /*owner=*/false, -1));
 }
 
 SharedMemoryRegion::~SharedMemoryRegion() {
   munmap(base_, size_);
   if (owner_) shm_unlink(name_.c_str());
+  if (fd_ >= 0) close(fd_);  // drops the lock, after the name is gone
+}
+
+OrphanedSharedMemory RemoveOrphanedSharedMemory() {
+  OrphanedSharedMemory removed;
+  DIR* dir = opendir("/dev/shm");  // where glibc's shm_open keeps its objects
+  if (dir == nullptr) return removed;
+  while (const dirent* entry = readdir(dir)) {
+    if (!absl::StartsWith(entry->d_name, kPrefix.substr(1))) continue;
+    const std::string name = absl::StrCat("/", entry->d_name);
+    if (!CheckSharedMemoryName(name, "").ok()) continue;
+    const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+    if (fd < 0) continue;
+    struct stat st;
+    // Unlocked with a size: its creator has ended (an object without a size
+    // may be one whose creator is between shm_open and flock).
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0 && fstat(fd, &st) == 0 && st.st_size > 0 &&
+        st.st_uid == geteuid() && shm_unlink(name.c_str()) == 0) {
+      ++removed.regions;
+      removed.bytes += static_cast<uint64_t>(st.st_size);
+    }
+    close(fd);
+  }
+  closedir(dir);
+  return removed;
 }
 
 absl::StatusOr<uint8_t*> SharedMemoryRegion::Slice(uint64_t offset, uint64_t bytes,

@@ -29,8 +29,8 @@ inline uint64_t AlignSharedOffset(uint64_t offset) {
 absl::Status CheckSharedMemoryName(absl::string_view name, absl::string_view field);
 
 // A POSIX shared-memory object (shm_open), mapped read-write. The process
-// that creates one unlinks its name when the region goes; a process that
-// opens one only unmaps it.
+// that creates one holds a shared flock on it and unlinks its name when the
+// region goes; a process that opens one only unmaps it.
 class SharedMemoryRegion {
  public:
   // A new object of `bytes` bytes, named "/himoe-<pid>-<random>-<tag>"
@@ -52,14 +52,28 @@ class SharedMemoryRegion {
   absl::StatusOr<uint8_t*> Slice(uint64_t offset, uint64_t bytes, absl::string_view field) const;
 
  private:
-  SharedMemoryRegion(std::string name, uint8_t* base, uint64_t size, bool owner)
-      : name_(std::move(name)), base_(base), size_(size), owner_(owner) {}
+  SharedMemoryRegion(std::string name, uint8_t* base, uint64_t size, bool owner, int fd)
+      : name_(std::move(name)), base_(base), size_(size), owner_(owner), fd_(fd) {}
 
   std::string name_;
   uint8_t* base_;
   uint64_t size_;
   bool owner_;
+  int fd_;  // the creator's, holding the lock; -1 in an opener
 };
+
+// What RemoveOrphanedSharedMemory removed.
+struct OrphanedSharedMemory {
+  int regions = 0;
+  uint64_t bytes = 0;
+};
+
+// Unlinks this user's himoe objects in /dev/shm whose creator has ended
+// without unlinking them (SIGKILL, a crash): those no process holds the
+// creator's lock on. The kernel drops that lock however a process ends, so
+// this never takes a live creator's object, whatever PID namespace it is in.
+// Processes that still map an orphan keep its pages until they unmap it.
+OrphanedSharedMemory RemoveOrphanedSharedMemory();
 
 // Finds the region a message names.
 class SharedMemoryLookup {

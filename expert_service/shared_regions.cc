@@ -1,6 +1,7 @@
 #include "expert_service/shared_regions.h"
 
 #include <algorithm>
+#include <string>
 #include <utility>
 
 #include <glog/logging.h>
@@ -42,6 +43,26 @@ void RegionLease::Release() {
   region_.reset();
 }
 
+namespace {
+
+// Removes what ended processes left in /dev/shm; how many.
+int RemoveOrphans() {
+  const OrphanedSharedMemory removed = RemoveOrphanedSharedMemory();
+  if (removed.regions > 0) {
+    LOG(INFO) << "removed " << removed.regions << " shared-memory region(s) of "
+              << removed.bytes / (1 << 20) << " MiB in all that processes which have ended "
+              << "left in /dev/shm";
+  }
+  return removed.regions;
+}
+
+}  // namespace
+
+SharedRegionPool::SharedRegionPool(int num_groups, size_t max_per_group)
+    : max_per_group_(max_per_group < 1 ? 1 : max_per_group), groups_(num_groups) {
+  RemoveOrphans();
+}
+
 RegionLease SharedRegionPool::Lease(int group, uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_ || group < 0 || group >= static_cast<int>(groups_.size())) return RegionLease();
@@ -55,7 +76,10 @@ RegionLease SharedRegionPool::Lease(int group, uint64_t bytes) {
     const uint64_t size = std::max<uint64_t>(
         (bytes + kMiB - 1) / kMiB * kMiB, slot->region == nullptr ? 0 : 2 * slot->region->size());
     slot->region.reset();
-    auto made = SharedMemoryRegion::Create(absl::StrCat("g", group), size);
+    const std::string tag = absl::StrCat("g", group);
+    auto made = SharedMemoryRegion::Create(tag, size);
+    // /dev/shm full of what a process killed since left: once more.
+    if (!made.ok() && RemoveOrphans() > 0) made = SharedMemoryRegion::Create(tag, size);
     if (!made.ok()) {
       LOG(WARNING) << "expert group " << group << ": no shared memory (" << made.status()
                    << "); the rows go in the gRPC messages from now on";

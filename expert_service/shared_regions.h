@@ -52,12 +52,13 @@ class RegionLease {
 // a call gets an empty lease. Thread-safe; outlives its leases.
 class SharedRegionPool {
  public:
-  SharedRegionPool(int num_groups, size_t max_per_group)
-      : max_per_group_(max_per_group < 1 ? 1 : max_per_group), groups_(num_groups) {}
+  // Removes the regions that ended processes left in /dev/shm first (logged).
+  SharedRegionPool(int num_groups, size_t max_per_group);
 
   // A region of `group` with room for `bytes` (made or grown here), or an
   // empty lease: every region of the group is leased, or none can be made
-  // (then the pool leases nothing from now on, and says so in the log).
+  // even after removing what ended processes left (then the pool leases
+  // nothing from now on, and says so in the log).
   RegionLease Lease(int group, uint64_t bytes);
 
   // Regions the group holds now, leased or not.

@@ -30,6 +30,7 @@
 #include "common/expert_shape.h"
 #include "common/host_port.h"
 #include "common/program.h"
+#include "common/shared_memory.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
 #include "deploy/local/local_cluster.h"
@@ -268,6 +269,13 @@ struct Launcher {
     }
     std::fflush(stdout);
     StopAll();
+    // A router killed (by us after the grace, or by anything before) could
+    // not unlink its regions.
+    if (const OrphanedSharedMemory left = RemoveOrphanedSharedMemory(); left.regions > 0) {
+      std::printf("himoe-cluster: removed %d shared-memory region(s), %.1f MiB, that ended "
+                  "processes left in /dev/shm\n",
+                  left.regions, static_cast<double>(left.bytes) / (1 << 20));
+    }
     std::printf("himoe-cluster: stopped (logs in %s)\n", log_dir.c_str());
     std::fflush(stdout);
     return code;

@@ -1,13 +1,20 @@
 #include "common/shared_memory.h"
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/statvfs.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "gmock/gmock.h"
@@ -68,6 +75,83 @@ TEST(SharedMemoryTest, ARegionThatDoesNotFitIsRefusedWhenMade) {
   const auto names = ListDirectory("/dev/shm");
   ASSERT_TRUE(names.ok()) << names.status();
   for (const std::string& name : *names) EXPECT_NE(name.rfind(prefix, 0), 0u) << name;
+}
+
+bool Exists(const std::string& name) {
+  return access(absl::StrCat("/dev/shm", name).c_str(), F_OK) == 0;
+}
+
+// A region whose creator was SIGKILLed stays in /dev/shm (nothing unlinked
+// it); the sweep removes it, and leaves alone the regions of creators alive,
+// here and in another process.
+TEST(SharedMemoryTest, TheSweepRemovesTheRegionsOfKilledCreatorsOnly) {
+  auto mine = SharedMemoryRegion::Create("live", 4096);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  int to_parent[2];
+  ASSERT_EQ(pipe(to_parent), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(to_parent[0]);
+    auto region = SharedMemoryRegion::Create("killed", 3 << 20);
+    const std::string name = region.ok() ? (*region)->name() : "";
+    if (write(to_parent[1], name.c_str(), name.size() + 1) < 0) _exit(1);
+    while (true) pause();  // until SIGKILL: no destructor runs
+  }
+  bool reaped = false;
+  absl::Cleanup stop_child = [&] {
+    if (reaped) return;
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+  };
+  close(to_parent[1]);
+  char buffer[128] = {};
+  for (size_t got = 0; got < sizeof(buffer) - 1;) {
+    const ssize_t n = read(to_parent[0], buffer + got, sizeof(buffer) - 1 - got);
+    if (n <= 0 || buffer[got + n - 1] == '\0') break;
+    got += n;
+  }
+  close(to_parent[0]);
+  const std::string theirs = buffer;
+
+  ASSERT_THAT(theirs, StartsWith(absl::StrCat("/himoe-", child, "-")));
+  RemoveOrphanedSharedMemory();  // both creators alive
+  EXPECT_TRUE(Exists(theirs));
+  EXPECT_TRUE(Exists((*mine)->name()));
+
+  ASSERT_EQ(kill(child, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  reaped = true;
+  EXPECT_TRUE(Exists(theirs));  // left behind
+  const OrphanedSharedMemory removed = RemoveOrphanedSharedMemory();
+  EXPECT_FALSE(Exists(theirs));
+  // (Another test process's pool may have swept it first.)
+  if (removed.regions > 0) EXPECT_GE(removed.bytes, uint64_t{3} << 20);
+  EXPECT_TRUE(Exists((*mine)->name()));
+  // An opener's mapping does not make a region live: only the creator's lock.
+  const std::string name = (*mine)->name();
+  auto peer = SharedMemoryRegion::Open(name);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  mine->reset();
+  EXPECT_FALSE(Exists(name));
+}
+
+// An object with a size and no lock is an orphan (its creator took the lock
+// before sizing it); one without a size may be a creator's between shm_open
+// and flock, so it stays.
+TEST(SharedMemoryTest, TheSweepLeavesObjectsWithoutASize) {
+  const std::string name = absl::StrCat("/himoe-", getpid(), "-sweep-test");
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  RemoveOrphanedSharedMemory();
+  EXPECT_TRUE(Exists(name));
+  ASSERT_EQ(ftruncate(fd, 8192), 0);
+  close(fd);
+  RemoveOrphanedSharedMemory();
+  EXPECT_FALSE(Exists(name));
+  shm_unlink(name.c_str());
 }
 
 TEST(SharedMemoryTest, SlicesOutsideTheRegionOrMisalignedAreRefusedNamingTheField) {

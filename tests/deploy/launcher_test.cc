@@ -493,6 +493,25 @@ TEST_F(LauncherTest, RouterSharedMemoryStartsTheGroupsWithIt) {
   EXPECT_TRUE(NoChildLeft());
 }
 
+// A router killed while it holds regions cannot unlink them: the launcher,
+// stopping the cluster, removes what it left in /dev/shm.
+TEST_F(LauncherTest, ARouterKilledLeavesNoSharedMemoryBehind) {
+  router_extra_ = "shared_memory: true";
+  LauncherProcess launcher;
+  ASSERT_NO_FATAL_FAILURE(StartSmallCluster(launcher));
+  ASSERT_NO_FATAL_FAILURE(RouteFiveTokens(launcher));
+  ASSERT_EQ(SharedMemoryObjectsOf(router_pid_), 2);
+
+  ASSERT_EQ(kill(router_pid_, SIGKILL), 0);
+  const std::optional<int> status = launcher.WaitExit(kExitBound);
+  ASSERT_TRUE(status.has_value()) << "himoe-cluster did not exit after the router died\n"
+                                  << launcher.Output();
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 1) << launcher.Output();
+  EXPECT_THAT(launcher.Stderr(), HasSubstr("killed by signal 9"));
+  EXPECT_EQ(SharedMemoryObjectsOf(router_pid_), 0) << launcher.Output();
+  EXPECT_TRUE(NoChildLeft());
+}
+
 TEST_F(LauncherTest, StopsEverythingAndFailsWhenAServiceDies) {
   LauncherProcess launcher;
   // Also: --bin_dir given as the build tree root.

@@ -1,6 +1,11 @@
 // SharedRegionPool: leases, reuse, growth, the per-group bound, and a failed
-// call's region dropped; the byte count and run lengths a call leases for.
+// call's region dropped, what ended processes left removed when a pool is
+// made; the byte count and run lengths a call leases for.
 #include "expert_service/shared_regions.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <string>
 #include <utility>
@@ -8,6 +13,8 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
 
 namespace himoe::expert {
 namespace {
@@ -100,6 +107,21 @@ TEST(SharedRegionsTest, AMovedLeaseReturnsOnce) {
   }
   EXPECT_EQ(pool.regions(0), 1u);
   EXPECT_NE(pool.Lease(0, 100).region(), nullptr);  // free again, not leased twice
+}
+
+// An object with a size that no creator holds (what a killed router leaves)
+// is gone once a pool is made, before the pool's first lease.
+TEST(SharedRegionsTest, APoolRemovesWhatEndedProcessesLeft) {
+  const std::string name = absl::StrCat("/himoe-", getpid(), "-left-by-a-dead-router");
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 1 << 16), 0);
+  close(fd);
+  const std::string path = "/dev/shm" + name;
+  ASSERT_EQ(access(path.c_str(), F_OK), 0);
+  SharedRegionPool pool(/*num_groups=*/1, /*max_per_group=*/1);
+  EXPECT_NE(access(path.c_str(), F_OK), 0);
+  shm_unlink(name.c_str());
 }
 
 }  // namespace
