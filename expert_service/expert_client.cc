@@ -1,7 +1,6 @@
 #include "expert_service/expert_client.h"
 
 #include <algorithm>
-#include <condition_variable>
 #include <mutex>
 #include <utility>
 
@@ -11,6 +10,7 @@
 #include <grpcpp/support/channel_arguments.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/countdown.h"
 #include "common/expert_shape.h"
 #include "common/status_macros.h"
 #include "expert_service/state_stream.h"
@@ -239,23 +239,19 @@ absl::Status ExpertGroupClient::SetState(const std::vector<NamedTensor>& state,
 absl::Status FanOut(size_t n,
                     const std::function<void(size_t i, ExpertGroupClient::Done done)>& start) {
   if (n == 0) return absl::OkStatus();
-  // std::mutex, not abseil's: ThreadSanitizer sees pthread locks in Debian's
-  // uninstrumented libraries, not abseil's atomics (scripts/tsan.sh).
+  Countdown pending(static_cast<int>(n));
   std::mutex mu;
-  std::condition_variable all_done;
-  size_t pending = n;
-  absl::Status first;
+  absl::Status first;  // guarded by mu
   for (size_t i = 0; i < n; ++i) {
     start(i, [&](absl::Status s) {
-      // Notified under the lock: this frame goes as soon as the waiter can
-      // take it.
-      std::lock_guard<std::mutex> lock(mu);
-      if (!s.ok() && first.ok()) first = std::move(s);
-      if (--pending == 0) all_done.notify_one();
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (first.ok()) first = std::move(s);
+      }
+      pending.Done();
     });
   }
-  std::unique_lock<std::mutex> lock(mu);
-  all_done.wait(lock, [&] { return pending == 0; });
+  pending.Wait();
   return first;
 }
 

@@ -6,7 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/blocking_counter.h"
+#include "common/countdown.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 
@@ -33,7 +33,7 @@ absl::StatusOr<MoEOutput> BatchedMoE::Forward(int layer, const at::Tensor& x,
   if (segments.empty()) segments.push_back(input.size(0));
   const size_t n = segments.size();
   std::vector<absl::StatusOr<LayerResult>> results(n, absl::UnknownError("not answered"));
-  absl::BlockingCounter pending(static_cast<int>(n));
+  Countdown pending(static_cast<int>(n));
   std::vector<at::Tensor> rows;
   std::vector<Batcher::Done> dones;
   int64_t offset = 0;
@@ -42,7 +42,7 @@ absl::StatusOr<MoEOutput> BatchedMoE::Forward(int layer, const at::Tensor& x,
     offset += segments[i];
     dones.push_back([&results, &pending, i](absl::StatusOr<LayerResult> r) {
       results[i] = std::move(r);
-      pending.DecrementCount();
+      pending.Done();
     });
   }
   batcher_->SubmitBatched(layer, std::move(rows), std::move(dones));

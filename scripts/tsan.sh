@@ -3,7 +3,9 @@
 # (-DHIMOE_SANITIZE_THREAD=ON, GCC) into build-tsan/ and runs them: the
 # shared-memory region pool, the router's batcher, pipelined dispatch,
 # Generate's continuous batching and the router service over real gRPC, the
-# expert service's compute pool and queue, micro-batch turns, the compute
+# expert service's compute pool and queue, micro-batch turns, remote
+# training (the group calls' fan-out, micro-batches in flight, from the
+# autograd engine's threads), Generate through the batcher, the compute
 # pool and ParallelFor. Not part of .ci/run (about 25 minutes to build on 2
 # cores). Run scripts/setup.sh first (the packages).
 #
@@ -15,14 +17,15 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${ROOT}/build-tsan"
-TESTS=(shared_regions_test router_service_test expert_service_test micro_batch_turns_test
+TESTS=(shared_regions_test router_service_test router_test expert_service_test expert_test
+       expert_training_test micro_batch_turns_test trainer_test generate_test model_test
        common_test)
 # common_test: its concurrent parts only. The rest includes death tests and
 # signal tests that fork a threaded process, which hang under TSan, the
 # kernel probe's forked children ("no answer") and a peak-RSS test that TSan's
 # allocator changes.
 declare -A FILTER=(
-  [common_test]="ComputePool*:ParallelFor*:*Gelu*:*SharedMemory*"
+  [common_test]="ComputePool*:ParallelFor*:*Gelu*:*SharedMemory*:Countdown*"
 )
 
 start=${SECONDS}
