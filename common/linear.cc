@@ -1,6 +1,7 @@
 #include "common/linear.h"
 
 #include <atomic>
+#include <cstring>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -25,16 +26,39 @@ __attribute__((always_inline)) inline float Sum(const V16& s) {
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-// out[r, n] = bias[n] + x[r, :] . w[n, :] for R rows and N outputs: one
-// accumulator per output over k in steps of 16, then Sum. An output's
-// arithmetic is the same in every block shape, so a row's result does not
-// depend on the rows computed beside it. `ahead` (or null): N weight rows
-// a block or two on, prefetched as these are read, so that a cold weight
+// Four accumulators' lane sums, each in Sum's tree (lane l + lane l+8, then
+// + 4, then (0 + 2) + (1 + 3)): the same bits as four Sum calls, with the
+// shuffles shared.
+__attribute__((always_inline)) inline V4 Sum4(const V16& a, const V16& b, const V16& c,
+                                              const V16& d) {
+  const V16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
+                                         23) +
+                 __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                         30, 31);
+  const V16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
+                                         23) +
+                 __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                         30, 31);
+  const V16 q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                        26, 27) +
+                __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
+                                        30, 31);
+  const V8 t = __builtin_shufflevector(q, q, 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(q, q, 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(t, t, 0, 2, 4, 6) + __builtin_shufflevector(t, t, 1, 3, 5, 7);
+}
+
+// out[r, n] = bias[n] + x[r, :] . w[n, :] for R rows and N = 1 or 4
+// outputs: one accumulator per output over k in steps of 16, then Sum's tree.
+// An output's arithmetic is the same in every block shape, so a row's result
+// does not depend on the rows computed beside it. `ahead` (or null): N weight
+// rows two blocks on, prefetched as these are read, so that a cold weight
 // streams at about its 1-row speed whatever R.
 template <int R, int N>
 __attribute__((always_inline)) inline void Block(const float* x, int64_t k, const float* w,
                                                  const float* ahead, const float* bias, float* out,
                                                  int64_t n_out) {
+  static_assert(N == 1 || N == 4);
   V16 acc[R][N] = {};
   for (int64_t i = 0; i < k; i += 16) {
     V16 wv[N];
@@ -48,36 +72,54 @@ __attribute__((always_inline)) inline void Block(const float* x, int64_t k, cons
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int n = 0; n < N; ++n) {
-      out[r * n_out + n] = Sum(acc[r][n]) + (bias == nullptr ? 0.f : bias[n]);
+    if constexpr (N == 1) {
+      out[r * n_out] = Sum(acc[r][0]) + (bias == nullptr ? 0.f : bias[0]);
+    } else {
+      const V4 sums = Sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]) +
+                      (bias == nullptr ? V4{} : V4{bias[0], bias[1], bias[2], bias[3]});
+      std::memcpy(out + r * n_out, &sums, sizeof(sums));
     }
   }
 }
 
-template <int R>
-__attribute__((always_inline)) inline void RowBlock(const float* x, int64_t k, const float* w,
-                                                    const float* bias, float* out, int64_t n_out) {
-  int64_t n = 0;
-  for (; n + 2 <= n_out; n += 2) {
-    const float* ahead = n + 6 <= n_out ? w + (n + 4) * k : nullptr;  // two blocks on
-    Block<R, 2>(x, k, w + n * k, ahead, bias == nullptr ? nullptr : bias + n, out + n, n_out);
+// Outputs n .. n + N of every row: rows 4, then 2, then 1 at a time, the
+// first block prefetching, the later ones reading the weight rows it left in
+// the cache.
+template <int N>
+__attribute__((always_inline)) inline void OutputBlock(const float* x, int64_t rows, int64_t k,
+                                                       const float* w, const float* ahead,
+                                                       const float* bias, float* out,
+                                                       int64_t n_out) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4, ahead = nullptr) {
+    Block<4, N>(x + r * k, k, w, ahead, bias, out + r * n_out, n_out);
   }
-  for (; n < n_out; ++n) {
-    const float* ahead = n + 2 <= n_out ? w + (n + 1) * k : nullptr;
-    Block<R, 1>(x, k, w + n * k, ahead, bias == nullptr ? nullptr : bias + n, out + n, n_out);
+  for (; r + 2 <= rows; r += 2, ahead = nullptr) {
+    Block<2, N>(x + r * k, k, w, ahead, bias, out + r * n_out, n_out);
+  }
+  for (; r < rows; ++r, ahead = nullptr) {
+    Block<1, N>(x + r * k, k, w, ahead, bias, out + r * n_out, n_out);
   }
 }
 
 // x [rows, k] . w[n_out, k]^T + bias -> out [rows, n_out], all row-major;
-// k % 16 == 0. The weight is read once per 4 rows, where a GEMV per row reads
-// it per row and a BLIS GEMM without small-matrix kernels packs it whole.
+// k % 16 == 0. Four weight rows at a time against every row of x, so the
+// weight is read from memory once, where a GEMV per row reads it per row
+// and a BLIS GEMM without small-matrix kernels packs it whole.
 HIMOE_CPU_CLONES
 void SmallRowsProduct(const float* x, int64_t rows, const float* w, const float* bias,
                       int64_t n_out, int64_t k, float* out) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) RowBlock<4>(x + r * k, k, w, bias, out + r * n_out, n_out);
-  for (; r + 2 <= rows; r += 2) RowBlock<2>(x + r * k, k, w, bias, out + r * n_out, n_out);
-  for (; r < rows; ++r) RowBlock<1>(x + r * k, k, w, bias, out + r * n_out, n_out);
+  int64_t n = 0;
+  for (; n + 4 <= n_out; n += 4) {
+    const float* ahead = n + 12 <= n_out ? w + (n + 8) * k : nullptr;  // two blocks on
+    OutputBlock<4>(x, rows, k, w + n * k, ahead, bias == nullptr ? nullptr : bias + n, out + n,
+                   n_out);
+  }
+  for (; n < n_out; ++n) {
+    const float* ahead = n + 2 <= n_out ? w + (n + 1) * k : nullptr;
+    OutputBlock<1>(x, rows, k, w + n * k, ahead, bias == nullptr ? nullptr : bias + n, out + n,
+                   n_out);
+  }
 }
 
 bool NeedsGrad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }

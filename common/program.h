@@ -9,7 +9,8 @@ namespace himoe {
 
 // Parses the command line of a himoe binary. `usage` heads --help, which
 // lists the flags defined in the program's *_main.cc (and --helpfull every
-// flag). Exits with status 2 and a message on a positional argument.
+// flag). Exits with status 2 and a message on a positional argument. Also
+// turns off abseil's mutex deadlock detection (see program.cc).
 void ParseCommandLine(int argc, char** argv, absl::string_view usage);
 
 }  // namespace himoe

@@ -60,7 +60,7 @@ TEST_F(LinearTest, FewRowsDoNotDependOnTheRowsBesideThem) {
 }
 
 // The small-rows product against the sums in double precision, at every row
-// count of its blocks (4, 2, 1 rows; 2 and 1 outputs), with and without a bias.
+// count of its blocks (4, 2, 1 rows; 4 and 1 outputs), with and without a bias.
 TEST_F(LinearTest, SmallRowsProductIsTheProductInDouble) {
   torch::manual_seed(6);
   const at::Tensor w = torch::randn({47, 48}), b = torch::randn({47});
@@ -76,6 +76,19 @@ TEST_F(LinearTest, SmallRowsProductIsTheProductInDouble) {
       EXPECT_LT((got.to(at::kDouble) - want).abs().max().item<double>(), 1e-5)
           << rows << " rows, bias " << with_bias;
     }
+  }
+}
+
+// An output's bits do not depend on the outputs computed beside it either:
+// in a block of 4 (their lane sums reduced together) or alone (the tail).
+TEST_F(LinearTest, SmallRowsOutputsDoNotDependOnTheOutputsBesideThem) {
+  torch::manual_seed(8);
+  const at::Tensor w = torch::randn({9, 64}), b = torch::randn({9});
+  const at::Tensor x = torch::randn({5, 64});
+  const at::Tensor together = SmallRowsLinear(x, w, b);
+  for (int64_t n = 0; n < w.size(0); ++n) {
+    const at::Tensor alone = SmallRowsLinear(x, w.narrow(0, n, 1), b.narrow(0, n, 1));
+    EXPECT_TRUE(torch::equal(together.narrow(1, n, 1), alone)) << "output " << n;
   }
 }
 
