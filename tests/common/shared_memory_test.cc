@@ -128,7 +128,9 @@ TEST(SharedMemoryTest, TheSweepRemovesTheRegionsOfKilledCreatorsOnly) {
   const OrphanedSharedMemory removed = RemoveOrphanedSharedMemory();
   EXPECT_FALSE(Exists(theirs));
   // (Another test process's pool may have swept it first.)
-  if (removed.regions > 0) EXPECT_GE(removed.bytes, uint64_t{3} << 20);
+  if (removed.regions > 0) {
+    EXPECT_GE(removed.bytes, uint64_t{3} << 20);
+  }
   EXPECT_TRUE(Exists((*mine)->name()));
   // An opener's mapping does not make a region live: only the creator's lock.
   const std::string name = (*mine)->name();
