@@ -52,7 +52,7 @@ __attribute__((always_inline)) inline V4 Sum4(const V16& a, const V16& b, const 
 // outputs: one accumulator per output over k in steps of 16, then Sum's tree.
 // An output's arithmetic is the same in every block shape, so a row's result
 // does not depend on the rows computed beside it. `ahead` (or null): N weight
-// rows two blocks on, prefetched as these are read, so that a cold weight
+// rows a block or two on, prefetched as these are read, so that a cold weight
 // streams at about its 1-row speed whatever R.
 template <int R, int N>
 __attribute__((always_inline)) inline void Block(const float* x, int64_t k, const float* w,
