@@ -26,19 +26,19 @@ __attribute__((always_inline)) inline float Sum(const V16& s) {
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
+// Lanes 0-7: a's lanes l + l+8; lanes 8-15: b's (Sum's first level, for two).
+__attribute__((always_inline)) inline V16 HalfSums(const V16& a, const V16& b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                 31);
+}
+
 // Four accumulators' lane sums, each in Sum's tree (lane l + lane l+8, then
 // + 4, then (0 + 2) + (1 + 3)): the same bits as four Sum calls, with the
 // shuffles shared.
 __attribute__((always_inline)) inline V4 Sum4(const V16& a, const V16& b, const V16& c,
                                               const V16& d) {
-  const V16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
-                                         23) +
-                 __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                                         30, 31);
-  const V16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
-                                         23) +
-                 __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                                         30, 31);
+  const V16 ab = HalfSums(a, b), cd = HalfSums(c, d);
   const V16 q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
                                         26, 27) +
                 __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
