@@ -62,6 +62,7 @@ absl::StatusOr<std::unique_ptr<RemoteMoE>> RemoteMoE::Create(const RemoteMoEOpti
     ro.d_model = shape.d_model();
     ro.seed = RouterSeedFor(shape.seed(), layer);
     ro.init = shape.init();
+    ro.serving = true;
     HIMOE_ASSIGN_OR_RETURN(auto router, RouterLayer::Create(ro));
     moe->routers_.push_back(std::move(router));
   }

@@ -34,19 +34,34 @@ void FillCountStats(const RoutingConfig& c, RoutingStats& s) {
   s.load_entropy = NormalizedLoadEntropy(s.expert_counts);
 }
 
-RoutingStats ComputeStats(const RoutingConfig& c, const at::Tensor& probs,
-                          const at::Tensor& sparse, const at::Tensor& ids,
-                          const at::Tensor& kept, int64_t capacity,
-                          const at::Tensor& bias) {
+// The statistics that need only the picks: what the serving metrics read.
+RoutingStats CountStats(const RoutingConfig& c, const at::Tensor& ids, const at::Tensor& kept,
+                        int64_t capacity) {
   at::NoGradGuard no_grad;
   RoutingStats s;
   s.tokens = ids.size(0);
   const at::Tensor counts = at::bincount(ids.reshape(-1), {}, c.num_experts);
   s.expert_counts = ToVector(counts);
-  s.group_counts = ToVector(counts.view({c.num_groups, -1}).sum(1));
-  s.soft_group_load = ToVector(GroupSums(probs.detach(), c.num_groups).sum(0));
+  s.group_counts.assign(c.num_groups, 0.0);
+  for (int e = 0; e < c.num_experts; ++e) {
+    s.group_counts[e / c.experts_per_group()] += s.expert_counts[e];
+  }
   FillCountStats(c, s);
   s.groups_per_token = GroupsPerToken(ids, c.experts_per_group(), c.num_groups);
+  s.capacity = capacity;
+  s.dropped = kept.numel() - kept.sum().item<int64_t>();
+  s.drop_rate = kept.numel() == 0 ? 0.0
+                                  : static_cast<double>(s.dropped) / kept.numel();
+  return s;
+}
+
+RoutingStats ComputeStats(const RoutingConfig& c, const at::Tensor& probs,
+                          const at::Tensor& sparse, const at::Tensor& ids,
+                          const at::Tensor& kept, int64_t capacity,
+                          const at::Tensor& bias) {
+  at::NoGradGuard no_grad;
+  RoutingStats s = CountStats(c, ids, kept, capacity);
+  s.soft_group_load = ToVector(GroupSums(probs.detach(), c.num_groups).sum(0));
   s.mean_pi_sq = probs.detach().pow(2).sum(1).mean().item<double>();
   s.c_ov = 1.0 - s.mean_pi_sq;  // mean of RoutingOverlap
   s.c_sys = SystemConcentration(sparse);
@@ -54,10 +69,6 @@ RoutingStats ComputeStats(const RoutingConfig& c, const at::Tensor& probs,
   s.cert_lhs = cert.lhs;
   s.cert_rhs = cert.rhs;
   s.collision_mi = CollisionMutualInformation(probs);
-  s.capacity = capacity;
-  s.dropped = kept.numel() - kept.sum().item<int64_t>();
-  s.drop_rate = kept.numel() == 0 ? 0.0
-                                  : static_cast<double>(s.dropped) / kept.numel();
   s.balance_bias = ToVector(bias);
   return s;
 }
@@ -108,9 +119,13 @@ RoutingStats MergeRoutingStats(const RoutingConfig& c,
   return s;
 }
 
-RouterLayer::RouterLayer(const RoutingConfig& config, int64_t d_model,
-                         at::Tensor gate, uint64_t seed)
-    : config_(config), d_model_(d_model), gate_weight_(std::move(gate)), seed_(seed) {
+RouterLayer::RouterLayer(const RoutingConfig& config, int64_t d_model, at::Tensor gate,
+                         uint64_t seed, bool serving)
+    : config_(config),
+      d_model_(d_model),
+      gate_weight_(std::move(gate)),
+      seed_(seed),
+      serving_(serving) {
   const auto opts = gate_weight_.options().requires_grad(false);
   logit_ema_ = at::zeros({config_.num_experts}, opts);
   loss_free_bias_ = at::zeros({config_.num_experts}, opts);
@@ -164,7 +179,7 @@ absl::StatusOr<std::unique_ptr<RouterLayer>> RouterLayer::Create(
     }
     gate = gate.to(options.device).set_requires_grad(true);
     layer.reset(new RouterLayer(options.config, options.d_model, std::move(gate),
-                                options.seed));
+                                options.seed, options.serving));
     return absl::OkStatus();
   }));
   return layer;
@@ -233,7 +248,9 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
     } else {
       sel = Select(controlled ? pi_logits + BalanceBias().to(pi_logits.dtype()) : pi);
     }
-    const at::Tensor sparse = SparseSelectedProbs(pi, sel.ids);
+    // Serving reads neither the losses nor the statistics beyond the counts.
+    const bool serving = serving_ && !training;
+    const at::Tensor sparse = serving ? at::Tensor() : SparseSelectedProbs(pi, sel.ids);
     at::Tensor weights = weight_source.gather(1, sel.ids);
     if (c.renormalize) weights = RenormalizeWeights(weights);
     const at::Tensor unscaled_weights = weights;
@@ -274,71 +291,74 @@ absl::StatusOr<RoutingOutput> RouterLayer::RouteLogits(const at::Tensor& logits,
     const at::Tensor zero = at::zeros({}, g.options().requires_grad(false));
     RoutingLosses& losses = out.losses;
     losses.load = losses.intra = losses.inter = losses.z = losses.balance = zero;
-    const at::Tensor& load_probs = c.load_source == ProbSource::kCorrected ? pi : p;
-    const bool released_flat = c.flat_load == FlatLoadForm::kReleased;
-    if (c.method == RoutingMethod::kVanilla && released_flat) {
-      losses.load =
-          ReleasedVanillaLoadLoss(unscaled_weights, sel.ids, c.num_experts, c.alpha);
-    } else if (c.method == RoutingMethod::kStMoe && released_flat) {
-      losses.load = LoadBalancingLoss(load_probs, sel.ids.narrow(1, 0, 1), c.alpha);
-    } else if (c.method != RoutingMethod::kLossFree) {
-      losses.load = LoadBalancingLoss(load_probs, sel.ids, c.alpha);
-    }
     double lambda_intra = 0, lambda_inter = 0;
-    if (c.method == RoutingMethod::kHiMoe) {
-      lambda_intra = c.epsilon_ov > 0 ? lambda_intra_.item<double>() : c.lambda_intra;
-      lambda_inter = c.epsilon_sys > 0 ? lambda_inter_.item<double>() : c.lambda_inter;
-      const at::Tensor& intra_probs = c.intra_source == ProbSource::kCorrected ? pi : p;
-      const auto inter = [&](double lambda) {
-        return c.inter_form == InterForm::kSelectedWeights
-                   ? InterGroupRegularizer(sparse, lambda)
-                   : InterGroupRegularizerDenseGroupMass(p, c.num_groups, lambda);
-      };
-      losses.intra = IntraGroupRegularizer(intra_probs, lambda_intra);
-      losses.inter = inter(lambda_inter);
-      if (training && (c.epsilon_ov > 0 || c.epsilon_sys > 0)) {
-        // The constraints' costs are the regularizers at lambda = 1, on the
-        // distributions the regularizers read: C_ov = 1 - mean ||pi||^2,
-        // C_sys = mean ||pi_tilde||^2 (or the dense group mass, reference).
-        at::NoGradGuard no_grad;
-        if (c.epsilon_ov > 0) {
-          const double c_ov = 1.0 + IntraGroupRegularizer(intra_probs, 1.0).item<double>();
-          lambda_intra_.fill_(
-              DualAscentStep(lambda_intra, c_ov, c.epsilon_ov, c.dual_rate, c.lambda_intra));
-        }
-        if (c.epsilon_sys > 0) {
-          const double c_sys = inter(1.0).item<double>();
-          lambda_inter_.fill_(
-              DualAscentStep(lambda_inter, c_sys, c.epsilon_sys, c.dual_rate, c.lambda_inter));
+    if (!serving) {
+      const at::Tensor& load_probs = c.load_source == ProbSource::kCorrected ? pi : p;
+      const bool released_flat = c.flat_load == FlatLoadForm::kReleased;
+      if (c.method == RoutingMethod::kVanilla && released_flat) {
+        losses.load =
+            ReleasedVanillaLoadLoss(unscaled_weights, sel.ids, c.num_experts, c.alpha);
+      } else if (c.method == RoutingMethod::kStMoe && released_flat) {
+        losses.load = LoadBalancingLoss(load_probs, sel.ids.narrow(1, 0, 1), c.alpha);
+      } else if (c.method != RoutingMethod::kLossFree) {
+        losses.load = LoadBalancingLoss(load_probs, sel.ids, c.alpha);
+      }
+      if (c.method == RoutingMethod::kHiMoe) {
+        lambda_intra = c.epsilon_ov > 0 ? lambda_intra_.item<double>() : c.lambda_intra;
+        lambda_inter = c.epsilon_sys > 0 ? lambda_inter_.item<double>() : c.lambda_inter;
+        const at::Tensor& intra_probs = c.intra_source == ProbSource::kCorrected ? pi : p;
+        const auto inter = [&](double lambda) {
+          return c.inter_form == InterForm::kSelectedWeights
+                     ? InterGroupRegularizer(sparse, lambda)
+                     : InterGroupRegularizerDenseGroupMass(p, c.num_groups, lambda);
+        };
+        losses.intra = IntraGroupRegularizer(intra_probs, lambda_intra);
+        losses.inter = inter(lambda_inter);
+        if (training && (c.epsilon_ov > 0 || c.epsilon_sys > 0)) {
+          // The constraints' costs are the regularizers at lambda = 1, on the
+          // distributions the regularizers read: C_ov = 1 - mean ||pi||^2,
+          // C_sys = mean ||pi_tilde||^2 (or the dense group mass, reference).
+          at::NoGradGuard no_grad;
+          if (c.epsilon_ov > 0) {
+            const double c_ov = 1.0 + IntraGroupRegularizer(intra_probs, 1.0).item<double>();
+            lambda_intra_.fill_(
+                DualAscentStep(lambda_intra, c_ov, c.epsilon_ov, c.dual_rate, c.lambda_intra));
+          }
+          if (c.epsilon_sys > 0) {
+            const double c_sys = inter(1.0).item<double>();
+            lambda_inter_.fill_(
+                DualAscentStep(lambda_inter, c_sys, c.epsilon_sys, c.dual_rate, c.lambda_inter));
+          }
         }
       }
-    }
-    if (c.method == RoutingMethod::kStMoe ||
-        (c.released_z_loss && c.method != RoutingMethod::kLossFree)) {
-      losses.z = RouterZLoss(g, c.z_coef);
-    }
+      if (c.method == RoutingMethod::kStMoe ||
+          (c.released_z_loss && c.method != RoutingMethod::kLossFree)) {
+        losses.z = RouterZLoss(g, c.z_coef);
+      }
 
-    if (controlled && grouped && training) {
-      HIMOE_PROFILE_SCOPE("routing: balance loss");
-      // The gate's own picks say how far it is from the target by itself.
-      const Selection own = Select(pi_logits);
-      // Minus its balanced value 1, so the reported term reads 0 at balance.
-      losses.balance = balance_.loss_multiplier.item<double>() *
-                       (GroupConditionalLoadLoss(pi, own.ids, c.num_groups, c.top_k) - 1.0);
-      at::NoGradGuard no_grad;
-      const at::Tensor counts = at::bincount(own.ids.reshape(-1), {}, c.num_experts);
-      const double own_cv = CoefficientOfVariation(ToVector(counts));
-      balance_.loss_multiplier.fill_(DualAscentStep(balance_.loss_multiplier.item<double>(),
-                                                    own_cv, c.target_expert_cv,
-                                                    kBalanceLossRate));
+      if (controlled && grouped && training) {
+        HIMOE_PROFILE_SCOPE("routing: balance loss");
+        // The gate's own picks say how far it is from the target by itself.
+        const Selection own = Select(pi_logits);
+        // Minus its balanced value 1, so the reported term reads 0 at balance.
+        losses.balance = balance_.loss_multiplier.item<double>() *
+                         (GroupConditionalLoadLoss(pi, own.ids, c.num_groups, c.top_k) - 1.0);
+        at::NoGradGuard no_grad;
+        const at::Tensor counts = at::bincount(own.ids.reshape(-1), {}, c.num_experts);
+        const double own_cv = CoefficientOfVariation(ToVector(counts));
+        balance_.loss_multiplier.fill_(DualAscentStep(balance_.loss_multiplier.item<double>(),
+                                                      own_cv, c.target_expert_cv,
+                                                      kBalanceLossRate));
+      }
+      if (training && c.method == RoutingMethod::kLossFree) {
+        at::NoGradGuard no_grad;
+        if (c.sigmoid_scores) pending_counts_.zero_();  // the last micro-batch only
+        pending_counts_.add_(
+            at::bincount(sel.ids.reshape(-1), {}, c.num_experts).to(pending_counts_.options()));
+      }
     }
-    if (training && c.method == RoutingMethod::kLossFree) {
-      at::NoGradGuard no_grad;
-      if (c.sigmoid_scores) pending_counts_.zero_();  // the last micro-batch only
-      pending_counts_.add_(
-          at::bincount(sel.ids.reshape(-1), {}, c.num_experts).to(pending_counts_.options()));
-    }
-    out.stats = ComputeStats(c, pi, sparse, sel.ids, kept, capacity, BalanceBias());
+    out.stats = serving ? CountStats(c, sel.ids, kept, capacity)
+                        : ComputeStats(c, pi, sparse, sel.ids, kept, capacity, BalanceBias());
     out.stats.balance_multiplier = balance_.loss_multiplier.item<double>();
     out.stats.lambda_intra = lambda_intra;
     out.stats.lambda_inter = lambda_inter;
@@ -395,23 +415,51 @@ std::vector<GroupDispatch> BuildDispatchPlan(const at::Tensor& expert_ids,
                                              const at::Tensor& kept,
                                              int64_t num_groups,
                                              int64_t experts_per_group) {
+  // A counting sort of the kept slots by expert on the host (stable: within
+  // an expert, slots ascend), then one gather of the weights; each group's
+  // part is a slice. A few loops over T*K ids, where per-group tensor ops
+  // cost a decoding step more than its whole selection.
   const int64_t k_total = expert_ids.size(1);
-  const at::Tensor flat_ids = expert_ids.reshape(-1);
-  const at::Tensor flat_w = weights.reshape(-1);
-  const at::Tensor flat_kept = kept.reshape(-1);
-  const at::Tensor group_of = at::div(flat_ids, experts_per_group, "floor");
+  const int64_t num_experts = num_groups * experts_per_group;
+  const at::Tensor ids = expert_ids.detach().to(at::kCPU, at::kLong).contiguous();
+  const at::Tensor keep = kept.detach().to(at::kCPU, at::kBool).contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const bool* keep_slot = keep.data_ptr<bool>();
+  const int64_t n = ids.numel();
+  std::vector<int64_t> start(num_experts + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (keep_slot[i] && id[i] >= 0 && id[i] < num_experts) ++start[id[i] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
+  const int64_t total = start[num_experts];
+  const at::Tensor slots = at::empty({total}, at::kLong);
+  const at::Tensor rows = at::empty({total}, at::kLong);
+  const at::Tensor sorted_ids = at::empty({total}, at::kLong);
+  int64_t* slot = slots.data_ptr<int64_t>();
+  int64_t* row = rows.data_ptr<int64_t>();
+  int64_t* sorted_id = sorted_ids.data_ptr<int64_t>();
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < n; ++i) {
+    if (!keep_slot[i] || id[i] < 0 || id[i] >= num_experts) continue;
+    const int64_t at = next[id[i]]++;
+    slot[at] = i;
+    row[at] = i / k_total;
+    sorted_id[at] = id[i];
+  }
+  const c10::Device device = expert_ids.device();
+  const at::Tensor device_slots = slots.to(device);
+  const at::Tensor device_rows = rows.to(device);
+  const at::Tensor device_ids = sorted_ids.to(device);
+  const at::Tensor sorted_weights = weights.reshape(-1).index_select(0, device_slots);
   std::vector<GroupDispatch> plan(num_groups);
   for (int64_t g = 0; g < num_groups; ++g) {
-    at::Tensor slots = at::nonzero(flat_kept & group_of.eq(g)).reshape(-1);
-    const at::Tensor ids = flat_ids.index_select(0, slots);
-    const at::Tensor order =
-        std::get<1>(at::sort(ids, /*stable=*/true, /*dim=*/0, /*descending=*/false));
-    slots = slots.index_select(0, order);
+    const int64_t begin = start[g * experts_per_group];
+    const int64_t count = start[(g + 1) * experts_per_group] - begin;
     GroupDispatch& d = plan[g];
-    d.slots = slots;
-    d.token_rows = at::div(slots, k_total, "floor");
-    d.expert_ids = flat_ids.index_select(0, slots);
-    d.weights = flat_w.index_select(0, slots);
+    d.slots = device_slots.narrow(0, begin, count);
+    d.token_rows = device_rows.narrow(0, begin, count);
+    d.expert_ids = device_ids.narrow(0, begin, count);
+    d.weights = sorted_weights.narrow(0, begin, count);
   }
   return plan;
 }

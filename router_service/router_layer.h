@@ -93,6 +93,11 @@ struct RouterLayerOptions {
   // The gate: N(0, 0.02) by default; under WEIGHT_INIT_SWITCH SwitchInit_,
   // or for loss_free U(-1/sqrt(d), 1/sqrt(d)) as the released code.
   v1::WeightInit init = v1::WEIGHT_INIT_DEFAULT;
+  // Serving (the router service): Route outside training computes no losses
+  // (each a constant zero) and only the count statistics (counts, CVs, max
+  // violation, shares, entropy, groups per token, capacity, drops), which is
+  // what the serving metrics read. The picks and weights are the same.
+  bool serving = false;
 };
 
 // One MoE layer's router: the gate W_g (d -> N, no bias, fp32) and its state:
@@ -146,7 +151,8 @@ class RouterLayer {
   at::Tensor& route_calls() { return route_calls_; }  // int64 [1]
 
  private:
-  RouterLayer(const RoutingConfig& config, int64_t d_model, at::Tensor gate, uint64_t seed);
+  RouterLayer(const RoutingConfig& config, int64_t d_model, at::Tensor gate, uint64_t seed,
+              bool serving);
   // Top-k inside every group (grouped methods) or top-K over all N.
   Selection Select(const at::Tensor& scores) const;
   // The controller's training-time selection on the logits of pi.
@@ -167,10 +173,12 @@ class RouterLayer {
   at::Tensor lambda_inter_;
   at::Tensor route_calls_;
   uint64_t seed_;
+  bool serving_;
 };
 
 // Per-group dispatch plan from a [T, K] selection: group g gets the kept
-// assignments whose expert lies in g, sorted by expert id (stable).
+// assignments whose expert lies in g, sorted by expert id (stable: slots
+// ascend within an expert). The groups' tensors are slices of shared ones.
 std::vector<GroupDispatch> BuildDispatchPlan(const at::Tensor& expert_ids,
                                              const at::Tensor& weights,
                                              const at::Tensor& kept,

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
+#include <c10/core/InferenceMode.h>
 
 #include "common/compute_setup.h"
 #include "common/gelu.h"
@@ -111,6 +112,32 @@ void BM_ColdWeightLinear(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * 1024 * 256 * 4);
 }
 
+// Routing one decoding step in inference mode: the generate benches' model,
+// N 8 in M 4 groups, k 1, d 256. range(0): rows (streams in the step);
+// range(1): 0 with the losses and every statistic (evaluation), 1 as the
+// router service routes (RouterLayerOptions::serving).
+void BM_RouteDecodingStep(benchmark::State& state) {
+  at::set_num_threads(1);
+  router::RouterLayerOptions options;
+  options.config.method = router::RoutingMethod::kHiMoe;
+  options.config.num_experts = 8;
+  options.config.num_groups = 4;
+  options.config.top_k = 1;
+  options.d_model = 256;
+  options.serving = state.range(1) == 1;
+  auto layer = router::RouterLayer::Create(options);
+  if (!layer.ok()) {
+    state.SkipWithError(layer.status().ToString().c_str());
+    return;
+  }
+  const at::Tensor x = at::randn({state.range(0), 256});
+  c10::InferenceMode inference;
+  for (auto _ : state) {
+    auto routed = (*layer)->Route(x, /*training=*/false);
+    benchmark::DoNotOptimize(routed->weights.data_ptr<float>());
+  }
+}
+
 BENCHMARK(BM_Attention)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DispatchCombine)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Gelu)->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
@@ -119,6 +146,9 @@ BENCHMARK(BM_ColdWeightLinear)
     ->ArgsProduct({{1, 4, 8}, {0, 1}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_RouteDecodingStep)
+    ->ArgsProduct({{1, 8}, {0, 1}})
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace himoe

@@ -1,6 +1,10 @@
 // Selection and weights on hand-built logits (spec "Selection").
+#include <string>
+#include <vector>
+
 #include <gtest/gtest.h>
 
+#include "router_service/router_layer.h"
 #include "router_service/routing_math.h"
 #include "tests/router_service/routing_test_util.h"
 
@@ -206,6 +210,87 @@ TEST(SelectionTest, DispatchPlanCoversEveryKeptAssignmentSortedByExpert) {
     total += rows.size(0);
   }
   EXPECT_EQ(total, 40 * 4);
+}
+
+// Drops, two picks of one group per token and an empty group, by hand:
+// N = 6 in M = 3 groups of 2, K = 2, slot s = 2t + j.
+//   ids  {1, 0}, {1, 3}, {0, 1}, {2, 3};  dropped: slots 2 and 7.
+//   group 0: expert 0 at slots 1, 4, expert 1 at slots 0, 5 (slots ascend
+//            within an expert); group 1: expert 2 at 6, expert 3 at 3;
+//   group 2: nothing.
+TEST(SelectionTest, DispatchPlanByHandWithDropsAndAnEmptyGroup) {
+  const at::Tensor ids = at::tensor({1, 0, 1, 3, 0, 1, 2, 3}, at::kLong).view({4, 2});
+  const at::Tensor weights = (at::arange(8, at::kDouble) / 10).view({4, 2});
+  const at::Tensor kept =
+      at::tensor({1, 1, 0, 1, 1, 1, 1, 0}, at::kLong).to(at::kBool).view({4, 2});
+  const std::vector<GroupDispatch> plan = BuildDispatchPlan(ids, weights, kept, 3, 2);
+  ASSERT_EQ(plan.size(), 3u);
+  const std::vector<std::vector<int64_t>> slots = {{1, 4, 0, 5}, {6, 3}, {}};
+  const std::vector<std::vector<int64_t>> rows = {{0, 2, 0, 2}, {3, 1}, {}};
+  const std::vector<std::vector<int64_t>> experts = {{0, 0, 1, 1}, {2, 3}, {}};
+  const auto values = [](const at::Tensor& t) {
+    const at::Tensor c = t.contiguous();
+    return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  };
+  for (int g = 0; g < 3; ++g) {
+    EXPECT_EQ(values(plan[g].slots), slots[g]) << "group " << g;
+    EXPECT_EQ(values(plan[g].token_rows), rows[g]) << "group " << g;
+    EXPECT_EQ(values(plan[g].expert_ids), experts[g]) << "group " << g;
+    ASSERT_EQ(plan[g].weights.numel(), static_cast<int64_t>(slots[g].size()));
+    for (size_t i = 0; i < slots[g].size(); ++i) {
+      EXPECT_DOUBLE_EQ(plan[g].weights[i].item<double>(), slots[g][i] / 10.0);
+    }
+  }
+}
+
+// A serving router (RouterLayerOptions::serving) routes as an evaluating
+// one: the same picks, weights, drops, plan and count statistics, with the
+// losses left at zero; in training it is an ordinary router.
+TEST(SelectionTest, ServingRoutesAsEvaluationWithoutLosses) {
+  for (const RoutingMethod method : testing::kAllMethods) {
+    RoutingConfig config = Config(method, 8, 4, 1);
+    config.capacity_factor = 1.0;  // some drops
+    RouterLayerOptions options;
+    options.config = config;
+    options.d_model = 4;
+    options.seed = 1;
+    auto full = RouterLayer::Create(options);
+    options.serving = true;
+    auto serving = RouterLayer::Create(options);
+    ASSERT_TRUE(full.ok() && serving.ok());
+    at::manual_seed(11);
+    const at::Tensor logits = at::randn({24, 8}, at::kDouble);
+    const std::vector<int64_t> segments = {10, 14};
+    const auto want = (*full)->RouteLogits(logits, /*training=*/false, segments);
+    const auto got = (*serving)->RouteLogits(logits, /*training=*/false, segments);
+    ASSERT_TRUE(want.ok() && got.ok());
+    const std::string name(RoutingMethodName(method));
+    EXPECT_TRUE(at::equal(got->expert_ids, want->expert_ids)) << name;
+    EXPECT_TRUE(at::equal(got->weights, want->weights)) << name;
+    EXPECT_TRUE(at::equal(got->kept, want->kept)) << name;
+    for (int g = 0; g < 4; ++g) {
+      EXPECT_TRUE(at::equal(got->groups[g].slots, want->groups[g].slots)) << name;
+      EXPECT_TRUE(at::equal(got->groups[g].weights, want->groups[g].weights)) << name;
+    }
+    EXPECT_EQ(got->stats.expert_counts, want->stats.expert_counts) << name;
+    EXPECT_EQ(got->stats.group_counts, want->stats.group_counts) << name;
+    EXPECT_EQ(got->stats.expert_cv, want->stats.expert_cv) << name;
+    EXPECT_EQ(got->stats.group_cv, want->stats.group_cv) << name;
+    EXPECT_EQ(got->stats.groups_per_token, want->stats.groups_per_token) << name;
+    EXPECT_EQ(got->stats.dropped, want->stats.dropped) << name;
+    EXPECT_GT(want->stats.dropped, 0) << name;
+    EXPECT_EQ(got->losses.Total().item<double>(), 0.0) << name;
+    if (method != RoutingMethod::kLossFree) {
+      EXPECT_GT(want->losses.load.item<double>(), 0.0) << name;
+    }
+    const auto full_training = (*full)->RouteLogits(logits, /*training=*/true);
+    const auto serving_training = (*serving)->RouteLogits(logits, /*training=*/true);
+    ASSERT_TRUE(full_training.ok() && serving_training.ok());
+    EXPECT_EQ(serving_training->losses.Total().item<double>(),
+              full_training->losses.Total().item<double>())
+        << name;
+    EXPECT_EQ(serving_training->stats.c_sys, full_training->stats.c_sys) << name;
+  }
 }
 
 }  // namespace
