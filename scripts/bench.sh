@@ -118,7 +118,8 @@ if [[ "${mode}" == kernels ]]; then
   # kernels: the project's own CPU loops at 1 and 2 threads
   # (tests/bench/kernels_bench.cc), 5 repetitions each in random order (the
   # VM's drift then falls on both thread counts), medians; writes
-  # runs/bench/kernels.md with each loop's 2 / 1 thread speed-up.
+  # runs/bench/kernels.md with each loop's 2 / 1 thread speed-up, the cold
+  # expert product's table and a decoding step's routing.
   mkdir -p "${ROOT}/runs/bench"
   json="${ROOT}/runs/bench/kernels.json"
   "${BUILD}/tests/bench/himoe-kernels-bench" --benchmark_repetitions=5 \
@@ -130,6 +131,7 @@ import json, sys
 runs = json.load(open(sys.argv[1]))
 ms = {}
 cold = {}  # ColdWeightLinear: (rows, path) -> us
+route = {}  # RouteDecodingStep: (rows, serving) -> us
 # Registration order (the repetitions ran in random order).
 for b in sorted(runs["benchmarks"], key=lambda b: b.get("family_index", 0)):
     if b.get("aggregate_name") == "median":
@@ -137,6 +139,8 @@ for b in sorted(runs["benchmarks"], key=lambda b: b.get("family_index", 0)):
         t = b["real_time"] * {"ms": 1, "us": 1e-3, "ns": 1e-6}[b["time_unit"]]
         if name == "BM_ColdWeightLinear":
             cold[(int(args[0]), int(args[1]))] = t * 1e3
+        elif name == "BM_RouteDecodingStep":
+            route[(int(args[0]), int(args[1]))] = t * 1e3
         else:
             ms[(name[3:], int(args[0]))] = t
 ctx = runs["context"]
@@ -155,6 +159,15 @@ if cold:
     for rows in sorted({r for r, _ in cold}):
         blas, small = cold[(rows, 0)], cold[(rows, 1)]
         lines.append(f"| {rows} | {blas:.1f} | {mb / blas:.1f} | {small:.1f} | {mb / small:.1f} |")
+if route:
+    lines += ["", "Routing one decoding step, one layer (N 8 in M 4 groups, k 1, d 256, "
+              "inference mode), 1 thread: as an evaluation (the losses and every statistic) "
+              "against as the router service serves (RouterLayerOptions::serving).", "",
+              "| rows | evaluation, us | serving, us | serving / evaluation |",
+              "|---:|---:|---:|---:|"]
+    for rows in sorted({r for r, _ in route}):
+        full, serving = route[(rows, 0)], route[(rows, 1)]
+        lines.append(f"| {rows} | {full:.1f} | {serving:.1f} | {serving / full:.2f} |")
 open(sys.argv[2], "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
