@@ -441,10 +441,10 @@ std::vector<GroupDispatch> BuildDispatchPlan(const at::Tensor& expert_ids,
   std::vector<int64_t> next(start.begin(), start.end() - 1);
   for (int64_t i = 0; i < n; ++i) {
     if (!keep_slot[i] || id[i] < 0 || id[i] >= num_experts) continue;
-    const int64_t at = next[id[i]]++;
-    slot[at] = i;
-    row[at] = i / k_total;
-    sorted_id[at] = id[i];
+    const int64_t pos = next[id[i]]++;
+    slot[pos] = i;
+    row[pos] = i / k_total;
+    sorted_id[pos] = id[i];
   }
   const c10::Device device = expert_ids.device();
   const at::Tensor device_slots = slots.to(device);
