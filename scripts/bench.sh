@@ -65,7 +65,7 @@ if [[ "${mode}" == serve ]]; then
     # Local and remote repetitions in random order, medians of 11: the VM's
     # speed drifts over minutes (LocalMoE at M 8 took 139-178 ms a forward
     # within 10 minutes on 2026-11-27), which one block after the other put
-    # into the ratio; and a ratio of medians of 5 moved by 2-5% (its standard
+    # into the ratio; and a ratio of medians of 5 moved by 1.4-5.3% (its standard
     # deviation, resampling 11 repetitions, 2026-11-29), so the largest of
     # four such ratios over the smallest passed 1.15 by chance alone.
     # OMP_WAIT_POLICY=PASSIVE: this process's idle OpenMP threads spin on
