@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace himoe {
@@ -20,6 +21,35 @@ absl::StatusOr<int64_t> PeakRssBytes(int pid = 0);
 // process it includes the dynamic loading and static initialisers before
 // main. 10 ms resolution.
 absl::StatusOr<double> SecondsSinceProcessStart(int pid = 0);
+
+// CPU time (user + system, every thread) process `pid` (0 = this one) has
+// used since it started, from /proc/<pid>/stat: 10 ms resolution.
+absl::StatusOr<double> CpuSeconds(int pid = 0);
+
+// The CPU time processes use over chosen stretches of wall time (a run's
+// timed steps, say, leaving out its evaluations): what part of the cores a
+// multi-process job keeps busy. Not thread-safe.
+class CpuMeter {
+ public:
+  // pid 0 is this process.
+  explicit CpuMeter(std::vector<int> pids);
+  // Begins a stretch; an error if one is running or a process is gone.
+  absl::Status Start();
+  // Ends the running stretch and adds its wall and CPU time.
+  absl::Status Stop();
+  bool running() const { return running_; }
+  double wall_seconds() const { return wall_seconds_; }
+  // Per process, in the order of `pids`.
+  const std::vector<double>& cpu_seconds() const { return cpu_seconds_; }
+
+ private:
+  std::vector<int> pids_;
+  std::vector<double> cpu_seconds_;
+  std::vector<double> started_cpu_;
+  std::chrono::steady_clock::time_point started_;
+  double wall_seconds_ = 0;
+  bool running_ = false;
+};
 
 // Where a service's start-up goes: created first thing in main, it counts
 // exec -> now as "libraries" (loading LibTorch, gRPC, their static

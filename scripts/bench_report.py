@@ -2,8 +2,10 @@
 """Turns scripts/bench.sh train's runs into <out>/train_bench.md and prints it.
 
 Each run directory holds the trainer's metrics.jsonl: a "compute" line (GEMM
-rate, BLAS, kernels, FLOPs per token), "train" lines (tokens/s, MFU per step)
-and a "memory" line (peak RSS). Steps 1-5 (warm-up) are left out; the median
+rate, BLAS, kernels, FLOPs per token), "train" lines (tokens/s, MFU per step),
+a "memory" line (peak RSS) and a "cpu" line (CPU time a step of the trainer
+and of each expert process over the timed steps, and the share of the cores
+they kept busy). Steps 1-5 (warm-up) are left out; the median
 of the rest is reported. Runs named <run>-r<k> are round k of a --rounds
 bench: each row is then the round with the median tokens/s, and the ratios
 the median of the rounds' own ratios (both runs of a ratio from one round,
@@ -21,7 +23,7 @@ import sys
 
 
 def load(run_dir):
-    compute, memory, steps = None, None, []
+    compute, memory, cpu, steps = None, None, None, []
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
             rec = json.loads(line)
@@ -30,6 +32,8 @@ def load(run_dir):
                 compute = rec
             elif kind == "memory":
                 memory = rec
+            elif kind == "cpu":
+                cpu = rec
             elif kind == "train":
                 steps.append(rec)
     if compute is None or memory is None or len(steps) <= 5:
@@ -42,6 +46,7 @@ def load(run_dir):
         "gemm": compute["gemm_gflops"],
         "compute": compute,
         "memory": memory,
+        "cpu": cpu,
         "steps": len(steps),
     }
 
@@ -109,8 +114,9 @@ def main():
            "each ratio the median of the rounds' own ratios." if rounds > 1 else ""),
         "",
         "| config | experts | threads | tokens/s | model GFLOP/s | MFU | remote / in-process "
-        "| 2 / 1 threads | peak RSS coordinator | peak RSS per expert process |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| 2 / 1 threads | CPU a step, core-ms: coordinator + expert processes | cores busy "
+        "| peak RSS coordinator | peak RSS per expert process |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     per_round = []
     for name, x in r.items():
@@ -129,10 +135,18 @@ def main():
                 per_round.append(f"{config} 2 / 1 threads " +
                                  ", ".join(f"{v:.2f}" for v in scales))
         experts_rss = x["memory"]["expert_peak_rss_mib"]
+        cpu = x["cpu"]
+        cpu_ms = busy = ""
+        if cpu:
+            cpu_ms = f"{cpu['coordinator_core_ms_per_step']:.0f}"
+            if cpu["expert_core_ms_per_step"]:
+                cpu_ms += (f" + {sum(cpu['expert_core_ms_per_step']):.0f} = "
+                           f"{cpu['coordinator_core_ms_per_step'] + sum(cpu['expert_core_ms_per_step']):.0f}")
+            busy = f"{100 * cpu['used_fraction']:.0f}% of {cpu['cores']}"
         lines.append(
             f"| {config} | {EXPERTS_LABEL[experts]} "
             f"| {x['compute']['threads']} | {x['tok_s']:.0f} | {x['gflops']:.1f} "
-            f"| {100 * x['mfu']:.0f}% | {ratio} | {scale} "
+            f"| {100 * x['mfu']:.0f}% | {ratio} | {scale} | {cpu_ms} | {busy} "
             f"| {x['memory']['coordinator_peak_rss_mib']:.0f} MiB "
             f"| {(f'{max(experts_rss):.0f} MiB' if experts_rss else '')} |")
     if rounds > 1:
@@ -151,6 +165,12 @@ def main():
             lines += ["", f"{label}: {statistics.median(ratios):.2f}"
                       + (" (rounds " + ", ".join(f"{v:.2f}" for v in ratios) + ")"
                          if len(ratios) > 1 else "") + "."]
+    if any(x["cpu"] for x in r.values()):
+        lines += ["", "CPU a step: user + system time of each process over the timed steps, "
+                  "from /proc (10 ms ticks), and the share of the cores all of them kept busy. "
+                  "It counts OpenMP threads spinning while they wait for work (libgomp's "
+                  "default), so in process on 2 threads the cores are busy nearly all the time; "
+                  "in process on 1 thread it is the step's work alone."]
     lines += ["", "FLOPs per token (training, model FLOPs): " + ", ".join(
         f"{c} {r[f'{c}-inprocess-t0']['compute']['flops_per_token'] / 1e6:.2f} M"
         for c in ("released", "main") if f"{c}-inprocess-t0" in r) + "."]

@@ -180,6 +180,25 @@ void RunLog::OnMemory(int64_t coordinator, const std::vector<int64_t>& experts) 
   WriteLine(line.dump());
 }
 
+void RunLog::OnCpu(int64_t steps, double wall_seconds, int cores, double coordinator_seconds,
+                   const std::vector<double>& expert_seconds) {
+  const auto per_step_ms = [steps](double seconds) { return Sig6(1e3 * seconds / steps); };
+  double used = coordinator_seconds;
+  Json per_expert = Json::array();
+  for (const double seconds : expert_seconds) {
+    per_expert.push_back(per_step_ms(seconds));
+    used += seconds;
+  }
+  const Json line = {{"kind", "cpu"},
+                     {"steps", steps},
+                     {"wall_s", Sig6(wall_seconds)},
+                     {"cores", cores},
+                     {"coordinator_core_ms_per_step", per_step_ms(coordinator_seconds)},
+                     {"expert_core_ms_per_step", std::move(per_expert)},
+                     {"used_fraction", Sig6(used / (cores * std::max(wall_seconds, 1e-9)))}};
+  WriteLine(line.dump());
+}
+
 void RunLog::OnStop(int64_t step, const std::string& signal, const std::string& checkpoint) {
   const Json line = {
       {"kind", "stop"}, {"step", step}, {"signal", signal}, {"checkpoint", checkpoint}};

@@ -39,6 +39,11 @@ class RunLog {
   // Peak resident memory of the coordinator and of each expert process it
   // started, in bytes ("kind":"memory"; experts empty when none).
   void OnMemory(int64_t coordinator, const std::vector<int64_t>& experts);
+  // CPU time over `steps` timed steps lasting `wall_seconds` in all, per
+  // step: the coordinator's and each expert process's it started, and the
+  // share of `cores` cores that all of them used ("kind":"cpu").
+  void OnCpu(int64_t steps, double wall_seconds, int cores, double coordinator_seconds,
+             const std::vector<double>& expert_seconds);
   void OnEval(int64_t step, const EvalResult& eval);
   // A run stopped by a signal after `step` ("kind":"stop"; `checkpoint` is
   // the directory written on the way out, or empty).

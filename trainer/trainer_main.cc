@@ -27,6 +27,7 @@
 #include "common/compute_setup.h"
 #include "common/expert_shape.h"
 #include "common/file_util.h"
+#include "common/cpu_cores.h"
 #include "common/process_stats.h"
 #include "common/metrics_endpoint.h"
 #include "common/program.h"
@@ -461,11 +462,25 @@ absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
   std::unique_ptr<StepProfiler> profiler;
   int64_t profiled_steps = 0;
   int64_t checkpointed_step = trainer.step();  // 0, or the checkpoint resumed from
+  // CPU time of this process and its expert processes over the steps after
+  // the first kCpuSkipSteps (those the bench times), evaluations and
+  // checkpoints left out. A failed /proc read only ends the accounting.
+  constexpr int64_t kCpuSkipSteps = 5;
+  std::vector<int> pids = {0};
+  if (spawned != nullptr) pids.insert(pids.end(), spawned->pids().begin(), spawned->pids().end());
+  CpuMeter cpu(pids);
+  int64_t cpu_steps = 0;
+  bool cpu_ok = true;
+  const auto cpu_call = [&cpu_ok](absl::Status status) {
+    if (cpu_ok && !status.ok()) LOG(WARNING) << "CPU accounting stopped: " << status;
+    cpu_ok = cpu_ok && status.ok();
+  };
   while (trainer.step() < o.steps) {
     if (const int sig = PendingStopSignal(); sig != 0) {
       if (tty) std::cerr << "\n";
       return StopOnSignal(sig, trainer, log, checkpoints, checkpointed_step);
     }
+    if (cpu_ok && !cpu.running() && trainer.step() >= kCpuSkipSteps) cpu_call(cpu.Start());
     if (spawned != nullptr) HIMOE_RETURN_IF_ERROR(spawned->CheckAlive());
     if (absl::GetFlag(FLAGS_profile) && profiler == nullptr &&
         (trainer.step() >= kProfileWarmup || o.steps <= kProfileWarmup)) {
@@ -477,13 +492,16 @@ absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
       profiler->EndStep();
       ++profiled_steps;
     }
+    if (cpu.running()) ++cpu_steps;
     log.OnStep(r);
     if (metrics != nullptr) metrics->OnStep(r);
     const bool eval = r.step % o.eval_every == 0 || r.step == o.steps;
+    const bool checkpoint = every > 0 && (r.step % every == 0 || r.step == o.steps);
+    if (cpu_ok && cpu.running() && (eval || checkpoint)) cpu_call(cpu.Stop());
     if (eval) {
       HIMOE_ASSIGN_OR_RETURN(val, Evaluate(trainer, r.step, log, metrics));
     }
-    if (every > 0 && (r.step % every == 0 || r.step == o.steps)) {
+    if (checkpoint) {
       const auto start = std::chrono::steady_clock::now();
       HIMOE_RETURN_IF_ERROR(
           SaveCheckpoint(trainer, checkpoints, absl::GetFlag(FLAGS_keep_checkpoints)));
@@ -501,6 +519,30 @@ absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
     } else if (r.step % absl::GetFlag(FLAGS_log_every) == 0 || eval) {
       std::cerr << log.ProgressLine() << "\n";
     }
+  }
+  if (cpu_ok && cpu.running()) cpu_call(cpu.Stop());
+  if (cpu_ok && cpu_steps > 0) {
+    const int cores = DefaultThreadCount();
+    const std::vector<double>& seconds = cpu.cpu_seconds();
+    log.OnCpu(cpu_steps, cpu.wall_seconds(), cores, seconds[0],
+              std::vector<double>(seconds.begin() + 1, seconds.end()));
+    const auto ms = [cpu_steps](double s) { return absl::StrFormat("%.1f", 1e3 * s / cpu_steps); };
+    double used = 0;
+    for (const double s : seconds) used += s;
+    std::cerr << "\nCPU per step over " << cpu_steps << (cpu_steps == 1 ? " step" : " steps")
+              << ": coordinator " << ms(seconds[0])
+              << " core-ms"
+              << (seconds.size() > 1
+                      ? absl::StrCat(", expert processes ",
+                                     absl::StrJoin(seconds.begin() + 1, seconds.end(), ", ",
+                                                   [&ms](std::string* out, double s) {
+                                                     out->append(ms(s));
+                                                   }),
+                                     " core-ms")
+                      : "")
+              << absl::StrFormat("; %.0f%% of %d cores' %s core-ms\n",
+                                 100 * used / (cores * std::max(cpu.wall_seconds(), 1e-9)),
+                                 cores, ms(cores * cpu.wall_seconds()));
   }
   if (profiler != nullptr) {
     std::string table =

@@ -103,5 +103,28 @@ TEST(RunLogTest, MfuOnlyAgainstAKnownMachineRate) {
   }
 }
 
+// 4 steps in 2 s on 2 cores: 0.4 s of the coordinator is 100 ms a step, 0.2
+// and 0.6 s of two expert processes 50 and 150; 1.2 of 4 core-seconds used.
+TEST(RunLogTest, CpuLinePerStepAndTheCoresShareUsed) {
+  testing::TempDir dir("himoe_run_log_cpu_test");
+  const std::string path = dir.path() + "/metrics.jsonl";
+  auto log = RunLog::Create(path, /*total_steps=*/4, /*window=*/4);
+  ASSERT_TRUE(log.ok()) << log.status();
+  (*log)->OnCpu(/*steps=*/4, /*wall_seconds=*/2.0, /*cores=*/2, /*coordinator_seconds=*/0.4,
+                {0.2, 0.6});
+  std::ifstream in(path);
+  std::string line;
+  ASSERT_TRUE(std::getline(in, line));
+  const auto rec = nlohmann::json::parse(line);
+  EXPECT_EQ(rec.at("kind"), "cpu");
+  EXPECT_EQ(rec.at("steps").get<int64_t>(), 4);
+  EXPECT_EQ(rec.at("cores").get<int>(), 2);
+  EXPECT_DOUBLE_EQ(rec.at("wall_s").get<double>(), 2.0);
+  EXPECT_DOUBLE_EQ(rec.at("coordinator_core_ms_per_step").get<double>(), 100.0);
+  EXPECT_EQ(rec.at("expert_core_ms_per_step").get<std::vector<double>>(),
+            (std::vector<double>{50.0, 150.0}));
+  EXPECT_DOUBLE_EQ(rec.at("used_fraction").get<double>(), 0.3);
+}
+
 }  // namespace
 }  // namespace himoe::trainer

@@ -29,6 +29,11 @@ grep '"kind":"train"' "${out}/run/metrics.jsonl" | tail -1 | grep -Eq '"mfu":([1
 grep -q '"kind":"memory","coordinator_peak_rss_mib":[1-9][0-9.]*,"expert_peak_rss_mib":\[[1-9][0-9.]*,[1-9][0-9.]*,[1-9][0-9.]*,[1-9][0-9.]*\]' \
   "${out}/run/metrics.jsonl"
 grep -q "peak RSS: coordinator [0-9]* MiB, expert processes [0-9]*, [0-9]*, [0-9]*, [0-9]* MiB" "${log}"
+# CPU a step of the coordinator and each expert process over the timed steps
+# (from the sixth; the run's evaluation and checkpoint at step 6 left out).
+grep -Eq '"kind":"cpu","steps":1,"wall_s":[0-9.e-]+,"cores":[1-9][0-9]*,"coordinator_core_ms_per_step":[0-9.]+,"expert_core_ms_per_step":\[[0-9.]+,[0-9.]+,[0-9.]+,[0-9.]+\],"used_fraction":[0-9.]+' \
+  "${out}/run/metrics.jsonl"
+grep -Eq "CPU per step over 1 step: coordinator [0-9.]+ core-ms, expert processes [0-9.]+, [0-9.]+, [0-9.]+, [0-9.]+ core-ms; [0-9]+% of [1-9][0-9]* cores' [0-9.]+ core-ms" "${log}"
 # --profile: 3 of the 6 steps, by category, RPC time included.
 grep -q "Where a training step's time goes (3 steps, local experts)" "${out}/run/profile.md"
 for row in attention experts "expert RPC: wait" "routing, aux losses" "grad norm, optimizer"; do
