@@ -138,10 +138,11 @@ def main():
         cpu = x["cpu"]
         cpu_ms = busy = ""
         if cpu:
-            cpu_ms = f"{cpu['coordinator_core_ms_per_step']:.0f}"
+            coordinator = cpu["coordinator_core_ms_per_step"]
+            expert_ms = sum(cpu["expert_core_ms_per_step"])
+            cpu_ms = f"{coordinator:.0f}"
             if cpu["expert_core_ms_per_step"]:
-                cpu_ms += (f" + {sum(cpu['expert_core_ms_per_step']):.0f} = "
-                           f"{cpu['coordinator_core_ms_per_step'] + sum(cpu['expert_core_ms_per_step']):.0f}")
+                cpu_ms += f" + {expert_ms:.0f} = {coordinator + expert_ms:.0f}"
             busy = f"{100 * cpu['used_fraction']:.0f}% of {cpu['cores']}"
         lines.append(
             f"| {config} | {EXPERTS_LABEL[experts]} "

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/file_util.h"
 #include "router_service/routing_math.h"
 
@@ -180,23 +181,39 @@ void RunLog::OnMemory(int64_t coordinator, const std::vector<int64_t>& experts) 
   WriteLine(line.dump());
 }
 
-void RunLog::OnCpu(int64_t steps, double wall_seconds, int cores, double coordinator_seconds,
-                   const std::vector<double>& expert_seconds) {
-  const auto per_step_ms = [steps](double seconds) { return Sig6(1e3 * seconds / steps); };
+std::string RunLog::OnCpu(int64_t steps, double wall_seconds, int cores,
+                          double coordinator_seconds,
+                          const std::vector<double>& expert_seconds) {
+  const auto per_step_ms = [steps](double seconds) { return 1e3 * seconds / steps; };
+  const auto ms_text = [&](double seconds) {
+    return absl::StrFormat("%.1f", per_step_ms(seconds));
+  };
   double used = coordinator_seconds;
   Json per_expert = Json::array();
   for (const double seconds : expert_seconds) {
-    per_expert.push_back(per_step_ms(seconds));
+    per_expert.push_back(Sig6(per_step_ms(seconds)));
     used += seconds;
   }
+  const double used_fraction = used / (cores * std::max(wall_seconds, 1e-9));
   const Json line = {{"kind", "cpu"},
                      {"steps", steps},
                      {"wall_s", Sig6(wall_seconds)},
                      {"cores", cores},
-                     {"coordinator_core_ms_per_step", per_step_ms(coordinator_seconds)},
+                     {"coordinator_core_ms_per_step", Sig6(per_step_ms(coordinator_seconds))},
                      {"expert_core_ms_per_step", std::move(per_expert)},
-                     {"used_fraction", Sig6(used / (cores * std::max(wall_seconds, 1e-9)))}};
+                     {"used_fraction", Sig6(used_fraction)}};
   WriteLine(line.dump());
+  std::string text = absl::StrCat("CPU per step over ", steps, steps == 1 ? " step" : " steps",
+                                  ": coordinator ", ms_text(coordinator_seconds), " core-ms");
+  if (!expert_seconds.empty()) {
+    absl::StrAppend(&text, ", expert processes ",
+                    absl::StrJoin(expert_seconds, ", ",
+                                  [&](std::string* out, double s) { out->append(ms_text(s)); }),
+                    " core-ms");
+  }
+  absl::StrAppendFormat(&text, "; %.0f%% of %d cores' %s core-ms", 100 * used_fraction, cores,
+                        ms_text(cores * wall_seconds));
+  return text;
 }
 
 void RunLog::OnStop(int64_t step, const std::string& signal, const std::string& checkpoint) {

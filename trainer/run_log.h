@@ -41,8 +41,10 @@ class RunLog {
   void OnMemory(int64_t coordinator, const std::vector<int64_t>& experts);
   // CPU time over `steps` timed steps lasting `wall_seconds` in all, per
   // step: the coordinator's and each expert process's it started, and the
-  // share of `cores` cores that all of them used ("kind":"cpu").
-  void OnCpu(int64_t steps, double wall_seconds, int cores, double coordinator_seconds,
+  // share of `cores` cores that all of them used ("kind":"cpu"). Returns it
+  // as a line to print: "CPU per step over 55 steps: coordinator 54.3
+  // core-ms, expert processes 27.1, 27.4 core-ms; 74% of 2 cores' 218.7 core-ms".
+  std::string OnCpu(int64_t steps, double wall_seconds, int cores, double coordinator_seconds,
              const std::vector<double>& expert_seconds);
   void OnEval(int64_t step, const EvalResult& eval);
   // A run stopped by a signal after `step` ("kind":"stop"; `checkpoint` is

@@ -524,25 +524,10 @@ absl::StatusOr<double> TrainLoop(Trainer& trainer, double val, RunLog& log,
   if (cpu_ok && cpu_steps > 0) {
     const int cores = DefaultThreadCount();
     const std::vector<double>& seconds = cpu.cpu_seconds();
-    log.OnCpu(cpu_steps, cpu.wall_seconds(), cores, seconds[0],
-              std::vector<double>(seconds.begin() + 1, seconds.end()));
-    const auto ms = [cpu_steps](double s) { return absl::StrFormat("%.1f", 1e3 * s / cpu_steps); };
-    double used = 0;
-    for (const double s : seconds) used += s;
-    std::cerr << "\nCPU per step over " << cpu_steps << (cpu_steps == 1 ? " step" : " steps")
-              << ": coordinator " << ms(seconds[0])
-              << " core-ms"
-              << (seconds.size() > 1
-                      ? absl::StrCat(", expert processes ",
-                                     absl::StrJoin(seconds.begin() + 1, seconds.end(), ", ",
-                                                   [&ms](std::string* out, double s) {
-                                                     out->append(ms(s));
-                                                   }),
-                                     " core-ms")
-                      : "")
-              << absl::StrFormat("; %.0f%% of %d cores' %s core-ms\n",
-                                 100 * used / (cores * std::max(cpu.wall_seconds(), 1e-9)),
-                                 cores, ms(cores * cpu.wall_seconds()));
+    std::cerr << "\n"
+              << log.OnCpu(cpu_steps, cpu.wall_seconds(), cores, seconds[0],
+                           std::vector<double>(seconds.begin() + 1, seconds.end()))
+              << "\n";
   }
   if (profiler != nullptr) {
     std::string table =

@@ -110,8 +110,11 @@ TEST(RunLogTest, CpuLinePerStepAndTheCoresShareUsed) {
   const std::string path = dir.path() + "/metrics.jsonl";
   auto log = RunLog::Create(path, /*total_steps=*/4, /*window=*/4);
   ASSERT_TRUE(log.ok()) << log.status();
-  (*log)->OnCpu(/*steps=*/4, /*wall_seconds=*/2.0, /*cores=*/2, /*coordinator_seconds=*/0.4,
-                {0.2, 0.6});
+  const std::string text = (*log)->OnCpu(/*steps=*/4, /*wall_seconds=*/2.0, /*cores=*/2,
+                                         /*coordinator_seconds=*/0.4, {0.2, 0.6});
+  EXPECT_EQ(text,
+            "CPU per step over 4 steps: coordinator 100.0 core-ms, expert processes 50.0, "
+            "150.0 core-ms; 30% of 2 cores' 1000.0 core-ms");
   std::ifstream in(path);
   std::string line;
   ASSERT_TRUE(std::getline(in, line));
