@@ -32,6 +32,15 @@ TRAINER="${BUILD}/trainer/himoe-trainer"
 
 usage() { sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 
+# build_benches TARGET...: the bench executables are built on demand (the
+# test build leaves them out: HIMOE_BUILD_BENCHMARKS=OFF).
+build_benches() {
+  if ! grep -q '^HIMOE_BUILD_BENCHMARKS:BOOL=ON' "${BUILD}/CMakeCache.txt" 2>/dev/null; then
+    cmake "${BUILD}" -DHIMOE_BUILD_BENCHMARKS=ON >/dev/null
+  fi
+  cmake --build "${BUILD}" --target "$@"
+}
+
 [[ $# -ge 1 ]] || usage
 mode="$1"; shift
 if [[ "${mode}" == soak ]]; then
@@ -57,6 +66,7 @@ if [[ "${mode}" == serve ]]; then
   # himoe-bench. Writes runs/bench/serve.md.
   mkdir -p "${ROOT}/runs/bench"
   table="${ROOT}/runs/bench/serve.md"
+  build_benches himoe_serve_bench himoe_bench
   "${BUILD}/tests/bench/himoe-serve-bench" --out "${table}" "$@"
   ratios=()
   shm_ratios=()
@@ -124,6 +134,7 @@ if [[ "${mode}" == kernels ]]; then
   # expert product's table and a decoding step's routing.
   mkdir -p "${ROOT}/runs/bench"
   json="${ROOT}/runs/bench/kernels.json"
+  build_benches himoe_kernels_bench
   "${BUILD}/tests/bench/himoe-kernels-bench" --benchmark_repetitions=5 \
     --benchmark_enable_random_interleaving=true \
     --benchmark_report_aggregates_only=true --benchmark_out="${json}" \
@@ -178,6 +189,7 @@ if [[ "${mode}" == generate ]]; then
   # generate: Generate's decoding, KV cache vs full recompute and 8 concurrent
   # streams vs 1 (tests/bench/generate_bench.cc); writes runs/bench/generate.md.
   mkdir -p "${ROOT}/runs/bench"
+  build_benches himoe_generate_bench
   exec "${BUILD}/tests/bench/himoe-generate-bench" --out "${ROOT}/runs/bench/generate.md" "$@"
 fi
 [[ "${mode}" == train ]] || usage

@@ -4,6 +4,7 @@
 #
 #   HIMOE_SKIP_APT=1  skip apt-get (packages already installed)
 #   HIMOE_JOBS=N      parallel build jobs (default: nproc)
+#   HIMOE_BUILD_BENCHMARKS=OFF  skip the benchmark executables (scripts/test.sh)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -105,7 +106,8 @@ select_blas() {
 }
 
 configure() {
-  cmake -S "${ROOT}" -B "${ROOT}/build" -G Ninja -DCMAKE_BUILD_TYPE=Release
+  cmake -S "${ROOT}" -B "${ROOT}/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DHIMOE_BUILD_BENCHMARKS="${HIMOE_BUILD_BENCHMARKS:-ON}" -DHIMOE_UNITY_BUILD=ON
 }
 
 build() {
