@@ -14,8 +14,8 @@
 #include "expert_service/shared_regions.h"
 #include "himoe/v1/model.pb.h"
 #include "model/moe_layers.h"
-#include "router_service/local_moe.h"
-#include "router_service/router_layer.h"
+#include "router_service/routing/local_moe.h"
+#include "router_service/routing/router_layer.h"
 
 namespace himoe::router {
 

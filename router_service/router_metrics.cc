@@ -3,7 +3,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "router_service/routing_math.h"
+#include "router_service/routing/routing_math.h"
 
 namespace himoe::router {
 namespace {

@@ -15,7 +15,7 @@
 #include <prometheus/registry.h>
 
 #include "router_service/remote_moe.h"
-#include "router_service/router_layer.h"
+#include "router_service/routing/router_layer.h"
 
 namespace himoe::router {
 

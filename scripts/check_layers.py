@@ -45,8 +45,8 @@ FOLDER_RULES = {
     "deploy/local": ["expert_service", "router_service", "model", "trainer"],
 }
 # model/ may only use the routing core of router_service/.
-MODEL_ROUTING_CORE = {"router_service/routing_config.h", "router_service/routing_math.h",
-                      "router_service/router_layer.h", "router_service/local_moe.h"}
+MODEL_ROUTING_CORE = {"router_service/routing/routing_config.h", "router_service/routing/routing_math.h",
+                      "router_service/routing/router_layer.h", "router_service/routing/local_moe.h"}
 
 SERIAL_ATEN_LOOP = re.compile(r'\bat::parallel_(for|reduce)\s*\(')
 SOURCE_FOLDERS = ["common", "expert_service", "router_service", "model", "trainer", "deploy",
@@ -159,8 +159,8 @@ def check(root):
 
 def self_test(root):
     plants = [
-        ("router_service/routing_math.h", "#include <grpcpp/grpcpp.h>", "himoe_routing"),
-        ("router_service/router_layer.h", '#include "trainer/trainer.h"', "router_layer.h"),
+        ("router_service/routing/routing_math.h", "#include <grpcpp/grpcpp.h>", "himoe_routing"),
+        ("router_service/routing/router_layer.h", '#include "trainer/trainer.h"', "router_layer.h"),
         ("common/named_tensor.h", "#include <prometheus/counter.h>", "himoe_"),
         ("deploy/local/local_cluster.h", "#include <torch/torch.h>", "himoe_local"),
         ("model/transformer_lm.h", '#include "router_service/remote_moe.h"', "model/"),

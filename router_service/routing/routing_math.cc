@@ -1,4 +1,4 @@
-#include "router_service/routing_math.h"
+#include "router_service/routing/routing_math.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,5 @@
-#ifndef HIMOE_ROUTER_SERVICE_ROUTING_CONFIG_H_
-#define HIMOE_ROUTER_SERVICE_ROUTING_CONFIG_H_
+#ifndef HIMOE_ROUTER_SERVICE_ROUTING_ROUTING_CONFIG_H_
+#define HIMOE_ROUTER_SERVICE_ROUTING_ROUTING_CONFIG_H_
 
 #include <string>
 
@@ -127,4 +127,4 @@ std::string RoutingConfigDebugString(const RoutingConfig& config);
 
 }  // namespace himoe::router
 
-#endif  // HIMOE_ROUTER_SERVICE_ROUTING_CONFIG_H_
+#endif  // HIMOE_ROUTER_SERVICE_ROUTING_ROUTING_CONFIG_H_

@@ -1,4 +1,4 @@
-#include "router_service/router_layer.h"
+#include "router_service/routing/router_layer.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,7 +13,7 @@
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 #include "common/weight_init.h"
-#include "router_service/routing_math.h"
+#include "router_service/routing/routing_math.h"
 
 namespace himoe::router {
 namespace {

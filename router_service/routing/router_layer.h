@@ -1,5 +1,5 @@
-#ifndef HIMOE_ROUTER_SERVICE_ROUTER_LAYER_H_
-#define HIMOE_ROUTER_SERVICE_ROUTER_LAYER_H_
+#ifndef HIMOE_ROUTER_SERVICE_ROUTING_ROUTER_LAYER_H_
+#define HIMOE_ROUTER_SERVICE_ROUTING_ROUTER_LAYER_H_
 
 #include <cstdint>
 #include <memory>
@@ -11,8 +11,8 @@
 
 #include "absl/status/statusor.h"
 #include "himoe/v1/model.pb.h"
-#include "router_service/routing_config.h"
-#include "router_service/routing_math.h"
+#include "router_service/routing/routing_config.h"
+#include "router_service/routing/routing_math.h"
 
 namespace himoe::router {
 
@@ -187,4 +187,4 @@ std::vector<GroupDispatch> BuildDispatchPlan(const at::Tensor& expert_ids,
 
 }  // namespace himoe::router
 
-#endif  // HIMOE_ROUTER_SERVICE_ROUTER_LAYER_H_
+#endif  // HIMOE_ROUTER_SERVICE_ROUTING_ROUTER_LAYER_H_
