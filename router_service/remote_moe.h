@@ -37,7 +37,7 @@ struct RemoteMoEOptions {
   // Rows go out in Forward messages of at most about this many bytes, each
   // sent as soon as it is built. A service computes a group's messages one
   // after another, so smaller ones cost it GEMM efficiency; larger ones slow
-  // loopback gRPC down (README, "Chunking").
+  // loopback gRPC down (docs/benchmarks.md, "Serving").
   int64_t chunk_bytes = 4 << 20;
   // The rows and outputs go through POSIX shared memory, and each message
   // carries only where: every group must run on this host with

@@ -147,7 +147,7 @@ std::vector<GroupDispatch> BuildDispatchPlan(const at::Tensor& expert_ids,
   // A counting sort of the kept slots by expert on the host (stable: within
   // an expert, slots ascend), then one gather of the weights; each group's
   // part is a slice. A few loops over T*K ids, where per-group tensor ops
-  // cost a decoding step more than its whole selection.
+  // would pay a dispatch per group on every decoding step.
   const int64_t k_total = expert_ids.size(1);
   const int64_t num_experts = num_groups * experts_per_group;
   const at::Tensor ids = expert_ids.detach().to(at::kCPU, at::kLong).contiguous();
