@@ -7,7 +7,7 @@
 #include "absl/strings/string_view.h"
 #include "himoe/v1/cluster.pb.h"
 #include "himoe/v1/model.pb.h"
-#include "router_service/routing_config.h"
+#include "router_service/routing/routing_config.h"
 
 namespace himoe::model {
 

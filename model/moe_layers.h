@@ -9,8 +9,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/named_tensor.h"
-#include "router_service/local_moe.h"
-#include "router_service/router_layer.h"
+#include "router_service/routing/local_moe.h"
+#include "router_service/routing/router_layer.h"
 
 namespace himoe::model {
 

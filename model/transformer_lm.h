@@ -14,7 +14,7 @@
 #include "model/kv_cache.h"
 #include "model/model_config.h"
 #include "model/moe_layers.h"
-#include "router_service/router_layer.h"
+#include "router_service/routing/router_layer.h"
 
 namespace himoe::model {
 

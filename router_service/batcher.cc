@@ -73,30 +73,66 @@ int64_t Batcher::batches() const {
   return batches_;
 }
 
+std::vector<Batcher::Item> Batcher::TakeLate() {
+  std::vector<Item> late;
+  const Deadline now = std::chrono::system_clock::now();
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (it->deadline > now) {
+      ++it;
+      continue;
+    }
+    late.push_back(std::move(*it));
+    it = queue_.erase(it);
+  }
+  return late;
+}
+
+void Batcher::AnswerLate(std::vector<Item>& late) {
+  for (Item& item : late) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - item.enqueued);
+    item.done(absl::DeadlineExceededError(absl::StrCat(
+        "the request's deadline passed after ", waited.count(),
+        " ms in the batch queue, behind the batch in flight; not computed")));
+  }
+}
+
+int64_t Batcher::ReadyTokens(int layer) const {
+  int64_t tokens = 0;
+  for (const Item& item : queue_) {
+    if (item.layer != layer) continue;
+    if (item.start_now) return options_.max_batch_tokens;
+    if (tokens > 0 && tokens + item.x.size(0) > options_.max_batch_tokens) break;
+    tokens += item.x.size(0);
+  }
+  return tokens;
+}
+
+std::vector<Batcher::Item> Batcher::TakeBatch(int layer) {
+  std::vector<Item> batch;
+  int64_t tokens = 0;
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (it->layer == layer &&
+        (tokens == 0 || tokens + it->x.size(0) <= options_.max_batch_tokens)) {
+      tokens += it->x.size(0);
+      batch.push_back(std::move(*it));
+      it = queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return batch;
+}
+
 void Batcher::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
     // Requests whose deadline passed while they waited are answered, not run.
-    std::vector<Item> late;
-    const Deadline now = std::chrono::system_clock::now();
-    for (auto it = queue_.begin(); it != queue_.end();) {
-      if (it->deadline > now) {
-        ++it;
-        continue;
-      }
-      late.push_back(std::move(*it));
-      it = queue_.erase(it);
-    }
+    std::vector<Item> late = TakeLate();
     if (!late.empty()) {
       lock.unlock();
-      for (Item& item : late) {
-        const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
-            std::chrono::steady_clock::now() - item.enqueued);
-        item.done(absl::DeadlineExceededError(absl::StrCat(
-            "the request's deadline passed after ", waited.count(),
-            " ms in the batch queue, behind the batch in flight; not computed")));
-      }
+      AnswerLate(late);
       lock.lock();
       continue;
     }
@@ -106,33 +142,10 @@ void Batcher::Loop() {
     }
     const int layer = queue_.front().layer;
     const auto deadline = queue_.front().enqueued + options_.max_queue_delay;
-    // Tokens of the same layer queued so far, in arrival order, within
-    // budget; or the budget, when a request there must start now.
-    const auto ready_tokens = [&] {
-      int64_t tokens = 0;
-      for (const Item& item : queue_) {
-        if (item.layer != layer) continue;
-        if (item.start_now) return options_.max_batch_tokens;
-        if (tokens > 0 && tokens + item.x.size(0) > options_.max_batch_tokens) break;
-        tokens += item.x.size(0);
-      }
-      return tokens;
-    };
-    while (!stopping_ && ready_tokens() < options_.max_batch_tokens &&
+    while (!stopping_ && ReadyTokens(layer) < options_.max_batch_tokens &&
            cv_.wait_until(lock, deadline) != std::cv_status::timeout) {
     }
-    std::vector<Item> batch;
-    int64_t tokens = 0;
-    for (auto it = queue_.begin(); it != queue_.end();) {
-      if (it->layer == layer &&
-          (tokens == 0 || tokens + it->x.size(0) <= options_.max_batch_tokens)) {
-        tokens += it->x.size(0);
-        batch.push_back(std::move(*it));
-        it = queue_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    std::vector<Item> batch = TakeBatch(layer);
     if (batch.empty()) continue;  // another worker took this layer's requests
     ++batches_;
     if (options_.on_queue_depth) options_.on_queue_depth(static_cast<int64_t>(queue_.size()));

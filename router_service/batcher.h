@@ -90,7 +90,19 @@ class Batcher {
   // queue has no room for them all, queues none (`items` untouched) and
   // returns the depth it found.
   std::optional<int64_t> Enqueue(std::vector<Item>& items);
+  // The workers' loop: waits for a layer's batch to fill (or its oldest
+  // request's max_queue_delay), takes it and runs it.
   void Loop();
+  // With mu_ held: removes the queued requests whose deadline passed.
+  std::vector<Item> TakeLate();
+  // Without mu_: answers them with DEADLINE_EXCEEDED.
+  static void AnswerLate(std::vector<Item>& late);
+  // With mu_ held: the tokens of `layer` queued so far, in arrival order,
+  // within the budget; or the budget, when a request there must start now.
+  int64_t ReadyTokens(int layer) const;
+  // With mu_ held: removes and returns, in arrival order, every request of
+  // `layer` that still fits the budget (the first one always).
+  std::vector<Item> TakeBatch(int layer);
   void Run(std::vector<Item> batch);
 
   const BatcherOptions options_;

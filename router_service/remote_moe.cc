@@ -13,7 +13,7 @@
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 #include "expert_service/expert_rows.h"
-#include "router_service/dispatch_combine.h"
+#include "router_service/routing/dispatch_combine.h"
 
 namespace himoe::router {
 

@@ -14,8 +14,8 @@
 #include "expert_service/shared_regions.h"
 #include "himoe/v1/model.pb.h"
 #include "model/moe_layers.h"
-#include "router_service/local_moe.h"
-#include "router_service/router_layer.h"
+#include "router_service/routing/local_moe.h"
+#include "router_service/routing/router_layer.h"
 
 namespace himoe::router {
 
@@ -37,7 +37,7 @@ struct RemoteMoEOptions {
   // Rows go out in Forward messages of at most about this many bytes, each
   // sent as soon as it is built. A service computes a group's messages one
   // after another, so smaller ones cost it GEMM efficiency; larger ones slow
-  // loopback gRPC down (README, "Chunking").
+  // loopback gRPC down (docs/benchmarks.md, "Serving").
   int64_t chunk_bytes = 4 << 20;
   // The rows and outputs go through POSIX shared memory, and each message
   // carries only where: every group must run on this host with

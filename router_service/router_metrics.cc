@@ -3,7 +3,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "router_service/routing_math.h"
+#include "router_service/routing/routing_math.h"
 
 namespace himoe::router {
 namespace {
@@ -25,6 +25,14 @@ prometheus::Histogram::BucketBoundaries PowersOfTwo(double max) {
 
 RouterMetrics::RouterMetrics(const RouterMetricsOptions& o, prometheus::Registry& r)
     : options_(o), windows_(o.num_layers) {
+  RegisterBalanceMetrics(r);
+  RegisterDispatchMetrics(r);
+  RegisterServingMetrics(r);
+  RegisterErrorMetrics(r);
+}
+
+void RouterMetrics::RegisterBalanceMetrics(prometheus::Registry& r) {
+  const RouterMetricsOptions& o = options_;
   auto& tokens = prometheus::BuildCounter()
                      .Name("himoe_router_tokens_total")
                      .Help("Routed (token, expert) assignments, before capacity drops")
@@ -57,6 +65,9 @@ RouterMetrics::RouterMetrics(const RouterMetricsOptions& o, prometheus::Registry
     max_vio_.push_back(&max_vio.Add({{"layer", layer}}));
     groups_per_token_.push_back(&gpt.Add({{"layer", layer}}));
   }
+}
+
+void RouterMetrics::RegisterDispatchMetrics(prometheus::Registry& r) {
   auto& dispatch = prometheus::BuildHistogram()
                        .Name("himoe_router_dispatch_duration_seconds")
                        .Help("Time from sending a group's rows to its last answer")
@@ -65,11 +76,14 @@ RouterMetrics::RouterMetrics(const RouterMetricsOptions& o, prometheus::Registry
                    .Name("himoe_router_dispatched_rows_total")
                    .Help("Rows sent to each expert group")
                    .Register(r);
-  for (int g = 0; g < o.num_groups; ++g) {
+  for (int g = 0; g < options_.num_groups; ++g) {
     dispatch_seconds_.push_back(
         &dispatch.Add({{"group", std::to_string(g)}}, LatencyBuckets()));
     dispatch_rows_.push_back(&rows.Add({{"group", std::to_string(g)}}));
   }
+}
+
+void RouterMetrics::RegisterServingMetrics(prometheus::Registry& r) {
   request_seconds_ = &prometheus::BuildHistogram()
                           .Name("himoe_router_request_duration_seconds")
                           .Help("RouteForward latency, queueing included")
@@ -100,6 +114,9 @@ RouterMetrics::RouterMetrics(const RouterMetricsOptions& o, prometheus::Registry
                            .Help("Tokens streamed by Generate (rate / streams = tokens/s per stream)")
                            .Register(r)
                            .Add({});
+}
+
+void RouterMetrics::RegisterErrorMetrics(prometheus::Registry& r) {
   auto& errors = prometheus::BuildCounter()
                      .Name("himoe_router_errors_total")
                      .Help("Failed RouteForward calls by gRPC status code")

@@ -15,7 +15,7 @@
 #include <prometheus/registry.h>
 
 #include "router_service/remote_moe.h"
-#include "router_service/router_layer.h"
+#include "router_service/routing/router_layer.h"
 
 namespace himoe::router {
 
@@ -26,7 +26,7 @@ struct RouterMetricsOptions {
   int window_batches = 64;  // sliding window of the balance gauges
 };
 
-// The router's Prometheus metrics (names in README "Metrics"). Label values
+// The router's Prometheus metrics (names in docs/operations.md, "Metrics reference"). Label values
 // are bounded: layer x group x expert, and gRPC status codes.
 class RouterMetrics : public ForwardObserver {
  public:
@@ -46,6 +46,15 @@ class RouterMetrics : public ForwardObserver {
   struct LayerWindow {
     std::deque<RoutingStats> batches;
   };
+
+  // Per layer and expert: assignments, drops and the window's balance gauges.
+  void RegisterBalanceMetrics(prometheus::Registry& r);
+  // Per group: dispatch latency and rows.
+  void RegisterDispatchMetrics(prometheus::Registry& r);
+  // Request latency, batches, queue depth, Generate streams and tokens.
+  void RegisterServingMetrics(prometheus::Registry& r);
+  // Errors by gRPC status code.
+  void RegisterErrorMetrics(prometheus::Registry& r);
 
   const RouterMetricsOptions options_;
   std::mutex mu_;

@@ -8,7 +8,7 @@
 #include "common/profile_scope.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
-#include "router_service/dispatch_combine.h"
+#include "router_service/routing/dispatch_combine.h"
 
 namespace himoe::trainer {
 

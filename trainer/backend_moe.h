@@ -11,8 +11,8 @@
 #include "common/named_tensor.h"
 #include "model/model_config.h"
 #include "model/moe_layers.h"
-#include "router_service/local_moe.h"
-#include "router_service/router_layer.h"
+#include "router_service/routing/local_moe.h"
+#include "router_service/routing/router_layer.h"
 #include "trainer/expert_backend.h"
 #include "trainer/micro_batch_turns.h"
 

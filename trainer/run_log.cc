@@ -11,7 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/file_util.h"
-#include "router_service/routing_math.h"
+#include "router_service/routing/routing_math.h"
 
 namespace himoe::trainer {
 namespace {

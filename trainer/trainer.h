@@ -11,7 +11,7 @@
 #include "himoe/v1/model.pb.h"
 #include "model/model_config.h"
 #include "model/transformer_lm.h"
-#include "router_service/router_layer.h"
+#include "router_service/routing/router_layer.h"
 #include "trainer/backend_moe.h"
 #include "trainer/data.h"
 #include "trainer/expert_backend.h"

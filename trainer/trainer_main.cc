@@ -38,7 +38,7 @@
 #include "expert_service/expert_client.h"
 #include "model/checkpoint_reader.h"
 #include "model/model_config.h"
-#include "router_service/routing_config.h"
+#include "router_service/routing/routing_config.h"
 #include "trainer/checkpoint.h"
 #include "trainer/run_log.h"
 #include "trainer/step_profiler.h"

@@ -20,8 +20,8 @@
 #include "common/linear.h"
 #include "common/squared_norm.h"
 #include "model/attention.h"
-#include "router_service/dispatch_combine.h"
-#include "router_service/router_layer.h"
+#include "router_service/routing/dispatch_combine.h"
+#include "router_service/routing/router_layer.h"
 
 namespace himoe {
 namespace {

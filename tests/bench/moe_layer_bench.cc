@@ -71,8 +71,8 @@
 #include "common/compute_setup.h"
 #include "common/file_util.h"
 #include "common/torch_runtime.h"
-#include "router_service/local_moe.h"
 #include "router_service/remote_moe.h"
+#include "router_service/routing/local_moe.h"
 
 ABSL_FLAG(bool, blas_probe, true, "probe BLIS kernel sets (see himoe-trainer --help)");
 ABSL_FLAG(int64_t, tokens, 4096, "tokens per forward (T)");

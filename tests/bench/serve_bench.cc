@@ -43,7 +43,7 @@
 #include "expert_service/expert_grpc_service.h"
 #include "himoe/v1/router.grpc.pb.h"
 #include "router_service/router_grpc_service.h"
-#include "router_service/router_layer.h"
+#include "router_service/routing/router_layer.h"
 
 ABSL_FLAG(int32_t, threads, 1,
           "torch threads of this process, which every service in it shares (1: as the "

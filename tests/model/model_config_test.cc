@@ -9,7 +9,7 @@
 #include "common/cluster_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "router_service/routing_config.h"
+#include "router_service/routing/routing_config.h"
 
 namespace himoe::model {
 namespace {

@@ -26,10 +26,10 @@
 #include "common/file_util.h"
 #include "common/tensor_codec.h"
 #include "expert_service/expert_grpc_service.h"
-#include "router_service/local_moe.h"
 #include "router_service/router_grpc_service.h"
+#include "router_service/routing/local_moe.h"
 #include "tests/router_service/expert_cluster_util.h"
-#include "tests/router_service/routing_test_util.h"
+#include "tests/router_service/routing/routing_test_util.h"
 
 extern char** environ;
 

@@ -19,12 +19,12 @@
 #include "common/tensor_codec.h"
 #include "expert_service/expert_grpc_service.h"
 #include "proto/grpc_status.h"
-#include "router_service/local_moe.h"
 #include "router_service/router_grpc_service.h"
+#include "router_service/routing/local_moe.h"
 #include "tests/http_get.h"
 #include "tests/raw_grpc_call.h"
 #include "tests/router_service/expert_cluster_util.h"
-#include "tests/router_service/routing_test_util.h"
+#include "tests/router_service/routing/routing_test_util.h"
 
 namespace himoe::router {
 namespace {

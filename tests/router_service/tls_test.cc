@@ -22,10 +22,10 @@
 #include "expert_service/expert_grpc_service.h"
 #include "proto/grpc_status.h"
 #include "proto/tls_credentials.h"
-#include "router_service/local_moe.h"
 #include "router_service/router_grpc_service.h"
+#include "router_service/routing/local_moe.h"
 #include "tests/router_service/expert_cluster_util.h"
-#include "tests/router_service/routing_test_util.h"
+#include "tests/router_service/routing/routing_test_util.h"
 #include "tests/temp_dir.h"
 
 namespace himoe::router {

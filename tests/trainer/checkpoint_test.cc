@@ -25,7 +25,7 @@
 #include "himoe/v1/model.pb.h"
 #include "common/file_util.h"
 #include "model/checkpoint_reader.h"
-#include "router_service/routing_config.h"
+#include "router_service/routing/routing_config.h"
 #include "tests/trainer/trainer_test_util.h"
 #include "trainer/trainer.h"
 

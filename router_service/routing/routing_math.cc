@@ -1,4 +1,4 @@
-#include "router_service/routing_math.h"
+#include "router_service/routing/routing_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -42,7 +42,7 @@ Selection SelectGroupedTopK(const at::Tensor& scores, int64_t num_groups,
   const int64_t tokens = scores.size(0);
   const int64_t per_group = scores.size(1) / num_groups;
   const at::Tensor grouped = scores.detach().reshape({tokens, num_groups, per_group});
-  // k = 1 (the paper's setting) is an argmax, several times cheaper than topk.
+  // k = 1 (the paper's setting) is an argmax, which needs no sort as topk does.
   const at::Tensor local = k == 1 ? std::get<1>(at::max(grouped, 2, /*keepdim=*/true))
                                   : std::get<1>(at::topk(grouped, k, 2));
   const at::Tensor offset =

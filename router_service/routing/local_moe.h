@@ -1,5 +1,5 @@
-#ifndef HIMOE_ROUTER_SERVICE_LOCAL_MOE_H_
-#define HIMOE_ROUTER_SERVICE_LOCAL_MOE_H_
+#ifndef HIMOE_ROUTER_SERVICE_ROUTING_LOCAL_MOE_H_
+#define HIMOE_ROUTER_SERVICE_ROUTING_LOCAL_MOE_H_
 
 #include <cstdint>
 #include <memory>
@@ -12,7 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "expert_service/expert_group.h"
 #include "himoe/v1/model.pb.h"
-#include "router_service/router_layer.h"
+#include "router_service/routing/router_layer.h"
 
 namespace himoe::router {
 
@@ -63,4 +63,4 @@ uint64_t RouterSeedFor(uint64_t seed, int layer);
 
 }  // namespace himoe::router
 
-#endif  // HIMOE_ROUTER_SERVICE_LOCAL_MOE_H_
+#endif  // HIMOE_ROUTER_SERVICE_ROUTING_LOCAL_MOE_H_

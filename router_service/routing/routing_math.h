@@ -1,5 +1,5 @@
-#ifndef HIMOE_ROUTER_SERVICE_ROUTING_MATH_H_
-#define HIMOE_ROUTER_SERVICE_ROUTING_MATH_H_
+#ifndef HIMOE_ROUTER_SERVICE_ROUTING_ROUTING_MATH_H_
+#define HIMOE_ROUTER_SERVICE_ROUTING_ROUTING_MATH_H_
 
 // The formulas of shared/spec/routing-math.md, one function each. Inputs are
 // [T, N] tensors (T tokens, N experts) unless stated. Everything is
@@ -217,4 +217,4 @@ at::Tensor GroupSums(const at::Tensor& per_expert, int64_t num_groups);
 
 }  // namespace himoe::router
 
-#endif  // HIMOE_ROUTER_SERVICE_ROUTING_MATH_H_
+#endif  // HIMOE_ROUTER_SERVICE_ROUTING_ROUTING_MATH_H_

@@ -1,12 +1,12 @@
-#ifndef HIMOE_ROUTER_SERVICE_DISPATCH_COMBINE_H_
-#define HIMOE_ROUTER_SERVICE_DISPATCH_COMBINE_H_
+#ifndef HIMOE_ROUTER_SERVICE_ROUTING_DISPATCH_COMBINE_H_
+#define HIMOE_ROUTER_SERVICE_ROUTING_DISPATCH_COMBINE_H_
 
 #include <cstdint>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
-#include "router_service/router_layer.h"
+#include "router_service/routing/router_layer.h"
 
 namespace himoe::router {
 
@@ -32,4 +32,4 @@ at::Tensor CombineGroupOutputs(int64_t num_tokens, int64_t d_model,
 
 }  // namespace himoe::router
 
-#endif  // HIMOE_ROUTER_SERVICE_DISPATCH_COMBINE_H_
+#endif  // HIMOE_ROUTER_SERVICE_ROUTING_DISPATCH_COMBINE_H_

@@ -4,9 +4,9 @@
 
 #include <gtest/gtest.h>
 
-#include "router_service/router_layer.h"
-#include "router_service/routing_math.h"
-#include "tests/router_service/routing_test_util.h"
+#include "router_service/routing/router_layer.h"
+#include "router_service/routing/routing_math.h"
+#include "tests/router_service/routing/routing_test_util.h"
 
 namespace himoe::router {
 namespace {

@@ -1,4 +1,4 @@
-#include "router_service/dispatch_combine.h"
+#include "router_service/routing/dispatch_combine.h"
 
 #include <torch/torch.h>
 
@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "router_service/router_layer.h"
+#include "router_service/routing/router_layer.h"
 
 namespace himoe::router {
 namespace {

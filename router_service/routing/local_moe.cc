@@ -1,4 +1,4 @@
-#include "router_service/local_moe.h"
+#include "router_service/routing/local_moe.h"
 
 #include <utility>
 
@@ -8,7 +8,7 @@
 #include "common/expert_shape.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
-#include "router_service/dispatch_combine.h"
+#include "router_service/routing/dispatch_combine.h"
 
 namespace himoe::router {
 

@@ -14,8 +14,8 @@
 
 #include "absl/status/status.h"
 #include "himoe/v1/model.pb.h"
-#include "router_service/router_layer.h"
-#include "router_service/routing_config.h"
+#include "router_service/routing/router_layer.h"
+#include "router_service/routing/routing_config.h"
 
 namespace himoe::router::testing {
 

@@ -1,12 +1,12 @@
 // LocalMoE forward and backward against a dense per-token computation written
 // independently here (loop over tokens, sum of weighted expert outputs).
-#include "router_service/local_moe.h"
+#include "router_service/routing/local_moe.h"
 
 #include <cmath>
 
 #include <gtest/gtest.h>
 
-#include "tests/router_service/routing_test_util.h"
+#include "tests/router_service/routing/routing_test_util.h"
 
 namespace himoe::router {
 namespace {

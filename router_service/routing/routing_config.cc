@@ -1,4 +1,4 @@
-#include "router_service/routing_config.h"
+#include "router_service/routing/routing_config.h"
 
 #include <cmath>
 

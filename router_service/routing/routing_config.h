@@ -1,5 +1,5 @@
-#ifndef HIMOE_ROUTER_SERVICE_ROUTING_CONFIG_H_
-#define HIMOE_ROUTER_SERVICE_ROUTING_CONFIG_H_
+#ifndef HIMOE_ROUTER_SERVICE_ROUTING_ROUTING_CONFIG_H_
+#define HIMOE_ROUTER_SERVICE_ROUTING_ROUTING_CONFIG_H_
 
 #include <string>
 
@@ -101,13 +101,13 @@ inline constexpr double kBalanceBand = 0.75;
 inline constexpr double kBalanceLossRate = 0.01;
 
 // The product default of target_expert_cv for a method: 0.1 for himoe (whose
-// objective collapses inside groups without it; README "Balance"), 0 (off)
-// for the others.
+// objective collapses inside groups without it; docs/research/balance.md),
+// 0 (off) for the others.
 double DefaultTargetExpertCv(RoutingMethod method);
-// The product defaults of the budgets (README "Balance", from the study):
-// epsilon_ov 0.8 (mean ||pi||^2 >= 0.2, a little more decisive than an
-// unregularized gate at the start of training, 0.13) and epsilon_sys 0.3
-// for himoe; 0 (off, fixed lambdas) for the others.
+// The product defaults of the budgets (from the study in
+// docs/research/balance.md): epsilon_ov 0.8 (mean ||pi||^2 >= 0.2, a little
+// more decisive than an untrained gate) and epsilon_sys 0.3 for himoe; 0
+// (off, fixed lambdas) for the others.
 double DefaultEpsilonOv(RoutingMethod method);
 double DefaultEpsilonSys(RoutingMethod method);
 
@@ -127,4 +127,4 @@ std::string RoutingConfigDebugString(const RoutingConfig& config);
 
 }  // namespace himoe::router
 
-#endif  // HIMOE_ROUTER_SERVICE_ROUTING_CONFIG_H_
+#endif  // HIMOE_ROUTER_SERVICE_ROUTING_ROUTING_CONFIG_H_

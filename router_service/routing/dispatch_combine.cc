@@ -1,4 +1,4 @@
-#include "router_service/dispatch_combine.h"
+#include "router_service/routing/dispatch_combine.h"
 
 #include <algorithm>
 #include <cstring>
