@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -21,9 +22,11 @@
 #include <gmock/gmock.h>
 #include <google/protobuf/text_format.h>
 #include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
 
 #include "himoe/v1/model.pb.h"
 #include "common/file_util.h"
+#include "common/optimizer_state_key.h"
 #include "model/checkpoint_reader.h"
 #include "router_service/routing/routing_config.h"
 #include "tests/trainer/trainer_test_util.h"
@@ -95,10 +98,40 @@ std::unique_ptr<Trainer> MakeTrainer(const TrainerOptions& o) {
   return t.ok() ? std::move(t).value() : nullptr;
 }
 
-// Everything a resumed run must reproduce: dense parameters and buffers, the
-// routers' pending counts, every group's expert weights and optimizer state.
-std::map<std::string, at::Tensor> FullState(Trainer& t) {
+// The dense AdamW state, by position in the optimizer's param groups: every
+// parameter's exp_avg, exp_avg_sq and step, and each group's learning rate.
+// A parameter without state is recorded as such, so that state present on
+// one side only is a mismatch of names.
+std::map<std::string, at::Tensor> DenseOptimizerState(Trainer& t) {
   std::map<std::string, at::Tensor> out;
+  torch::optim::AdamW& opt = t.optimizer();
+  using Key = std::decay_t<decltype(opt.state())>::key_type;
+  for (size_t g = 0; g < opt.param_groups().size(); ++g) {
+    auto& group = opt.param_groups()[g];
+    const std::string name = "adamw.g" + std::to_string(g) + ".";
+    out[name + "lr"] = at::tensor(
+        static_cast<const torch::optim::AdamWOptions&>(group.options()).lr(), at::kDouble);
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      const std::string p = name + std::to_string(i) + ".";
+      auto it = opt.state().find(OptimizerStateKey<Key>(group.params()[i].unsafeGetTensorImpl()));
+      if (it == opt.state().end()) {
+        out[p + "no_state"] = at::zeros({0});
+        continue;
+      }
+      const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+      out[p + "exp_avg"] = st.exp_avg().detach().clone();
+      out[p + "exp_avg_sq"] = st.exp_avg_sq().detach().clone();
+      out[p + "step"] = at::tensor(static_cast<int64_t>(st.step()), at::kLong);
+    }
+  }
+  return out;
+}
+
+// Everything a resumed run must reproduce: dense parameters and buffers and
+// their AdamW state and learning rate, the routers' pending counts, every
+// group's expert weights and optimizer state.
+std::map<std::string, at::Tensor> FullState(Trainer& t) {
+  std::map<std::string, at::Tensor> out = DenseOptimizerState(t);
   for (const auto& p : t.model().named_parameters()) out[p.key()] = p.value().detach().clone();
   for (const auto& b : t.model().named_buffers()) out[b.key()] = b.value().detach().clone();
   // The routers' own tensors (the registered buffers alias them), and the
@@ -300,6 +333,72 @@ TEST(CheckpointTest, LoadRestoresExactlyWhatWasSaved) {
   ExpectStatesEqual(FullState(*a), FullState(*b));
   EXPECT_EQ(a->sampler().SerializeState(), b->sampler().SerializeState());
   EXPECT_EQ(b->step(), 2);
+}
+
+// nanoGPT's get_lr, written out: linear warmup over `warmup` iterations to
+// max_lr, then a half cosine from max_lr down to min_lr at `decay_steps`,
+// min_lr after. `it` is the 0-based iteration (the step about to be taken).
+double HandLearningRate(double max_lr, double min_lr, int64_t warmup, int64_t decay_steps,
+                        int64_t it) {
+  if (it < warmup) return max_lr * static_cast<double>(it + 1) / static_cast<double>(warmup + 1);
+  if (it > decay_steps) return min_lr;
+  const double ratio = static_cast<double>(it - warmup) / static_cast<double>(decay_steps - warmup);
+  const double coeff = 0.5 * (1.0 + std::cos(M_PI * ratio));
+  return min_lr + coeff * (max_lr - min_lr);
+}
+
+// Right after a load, every dense parameter has the saved AdamW moments and
+// step (count and values), and each step after the resume runs at the hand
+// schedule's learning rate, in the result and in every param group.
+TEST(CheckpointTest, DenseAdamWStateAndScheduleSurviveResume) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  o.steps = 8;
+  o.warmup_steps = 3;
+  o.min_lr = 2e-4;
+  TempDir root;
+  std::map<std::string, at::Tensor> saved;
+  const auto expect_lr = [&](Trainer& t, const StepResult& r) {
+    const double want = HandLearningRate(o.lr, o.min_lr, o.warmup_steps, o.steps, r.step - 1);
+    EXPECT_NEAR(r.lr, want, 1e-15) << "step " << r.step;
+    for (auto& group : t.optimizer().param_groups()) {
+      EXPECT_NEAR(static_cast<const torch::optim::AdamWOptions&>(group.options()).lr(), want,
+                  1e-15)
+          << "step " << r.step;
+    }
+  };
+  {
+    auto a = MakeTrainer(o);
+    ASSERT_NE(a, nullptr);
+    for (int i = 0; i < 4; ++i) {  // through the warmup and into the decay
+      auto r = a->Step();
+      ASSERT_TRUE(r.ok()) << r.status();
+      expect_lr(*a, *r);
+    }
+    ASSERT_TRUE(SaveCheckpoint(*a, root.path(), 1).ok());
+    saved = DenseOptimizerState(*a);
+  }
+  // Every dense parameter took 4 AdamW steps.
+  size_t params = 0;
+  for (const auto& [name, tensor] : saved) {
+    EXPECT_EQ(name.find("no_state"), std::string::npos) << name;
+    if (name.size() > 5 && name.substr(name.size() - 5) == ".step") {
+      EXPECT_EQ(tensor.item<int64_t>(), 4) << name;
+      ++params;
+    }
+  }
+  auto b = MakeTrainer(o);
+  ASSERT_NE(b, nullptr);
+  size_t dense = 0;
+  for (auto& group : b->optimizer().param_groups()) dense += group.params().size();
+  EXPECT_EQ(params, dense);
+  ASSERT_TRUE(LoadCheckpoint(*b, root.path() + "/" + CheckpointDirName(4)).ok());
+  ExpectStatesEqual(DenseOptimizerState(*b), saved);
+  for (int i = 4; i < 8; ++i) {
+    auto r = b->Step();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->step, i + 1);
+    expect_lr(*b, *r);
+  }
 }
 
 TEST(CheckpointTest, DirectoryLayoutAndManifest) {

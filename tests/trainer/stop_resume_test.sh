@@ -53,33 +53,56 @@ run_and_signal() {
   fi
 }
 
+# The checkpoint a stop left (`dir`, `sig`, its log line): every file the
+# MANIFEST lists, each with the right sha256, the MANIFEST listing exactly the
+# checkpoint's files, and the stop line in metrics.jsonl. Sets `stopped` and
+# `checkpoint`.
+check_stop_checkpoint() {
+  local dir="$1" sig="$2"
+  local line
+  line="$(grep -o "stopped by SIG${sig} after step [0-9]* of 60; checkpoint .*" "${dir}.log")"
+  stopped="$(sed 's/.*after step \([0-9]*\) of.*/\1/' <<<"${line}")"
+  [[ "${stopped}" -ge 6 && "${stopped}" -lt 60 ]]
+  checkpoint="${dir}/checkpoints/$(printf 'step_%08d' "${stopped}")"
+  grep -qF "checkpoint ${checkpoint} (continue with --resume)" <<<"${line}"
+  for f in MANIFEST meta.textproto dense.pt optimizer.pt data.txt experts_g0.pt experts_g1.pt \
+           experts_g2.pt experts_g3.pt; do
+    test -s "${checkpoint}/${f}" || { echo "${checkpoint}/${f} missing" >&2; exit 1; }
+  done
+  test "$(awk '{print $2}' "${checkpoint}/MANIFEST" | sed 's/^\*//' | sort | tr '\n' ' ')" = \
+    "$(ls "${checkpoint}" | grep -v '^MANIFEST$' | sort | tr '\n' ' ')"
+  (cd "${checkpoint}" && sha256sum --check --quiet --strict MANIFEST)
+  test "$(tail -1 "${dir}/metrics.jsonl")" = \
+    "{\"kind\":\"stop\",\"step\":${stopped},\"signal\":\"SIG${sig}\",\"checkpoint\":\"${checkpoint}\"}"
+  test "$(grep -c '"kind":"train"' "${dir}/metrics.jsonl")" -eq "${stopped}"
+}
+
+# --resume from the stop's checkpoint runs to step 60 and ends with the files
+# and the validation loss of the uninterrupted run in `${out}/plain`.
+resume_and_compare() {
+  local dir="$1"
+  "${trainer}" "${flags[@]}" --checkpoint_every 25 --resume --out_dir "${dir}" \
+    2>"${dir}.resumed.log" || { cat "${dir}.resumed.log"; exit 1; }
+  grep -q "resumed from ${checkpoint} at step ${stopped}" "${dir}.resumed.log"
+  test "$(grep -c '"kind":"train"' "${dir}/metrics.jsonl")" -eq 60
+  local final=checkpoints/step_00000060
+  for f in dense.pt experts_g0.pt experts_g1.pt experts_g2.pt experts_g3.pt data.txt; do
+    cmp "${dir}/${final}/${f}" "${out}/plain/${final}/${f}"
+  done
+  # The same final validation loss, to the printed digit.
+  test "$(final_val "${dir}.resumed.log")" = "$(final_val "${out}/plain.log")"
+}
+final_val() { grep -o 'validation: loss .*' "$1" | sed 's/.*-> \([0-9.]*\),.*/\1/'; }
+
+# The uninterrupted run both resumed runs must end as.
+"${trainer}" "${flags[@]}" --checkpoint_every 25 --out_dir "${out}/plain" 2>"${out}/plain.log" \
+  || { cat "${out}/plain.log"; exit 1; }
+
 # Ctrl-C with checkpoints on: the checkpoint of the step it stopped after.
 run_and_signal INT group "${out}/stopped" --checkpoint_every 25
 test "${status}" -eq 130
-line="$(grep -o 'stopped by SIGINT after step [0-9]* of 60; checkpoint .*' "${out}/stopped.log")"
-stopped="$(sed 's/.*after step \([0-9]*\) of.*/\1/' <<<"${line}")"
-[[ "${stopped}" -ge 6 && "${stopped}" -lt 60 ]]
-checkpoint="${out}/stopped/checkpoints/$(printf 'step_%08d' "${stopped}")"
-grep -qF "checkpoint ${checkpoint} (continue with --resume)" <<<"${line}"
-test -f "${checkpoint}/dense.pt"
-test "$(tail -1 "${out}/stopped/metrics.jsonl")" = \
-  "{\"kind\":\"stop\",\"step\":${stopped},\"signal\":\"SIGINT\",\"checkpoint\":\"${checkpoint}\"}"
-test "$(grep -c '"kind":"train"' "${out}/stopped/metrics.jsonl")" -eq "${stopped}"
-
-"${trainer}" "${flags[@]}" --checkpoint_every 25 --resume --out_dir "${out}/stopped" \
-  2>"${out}/resumed.log" || { cat "${out}/resumed.log"; exit 1; }
-grep -q "resumed from ${checkpoint} at step ${stopped}" "${out}/resumed.log"
-test "$(grep -c '"kind":"train"' "${out}/stopped/metrics.jsonl")" -eq 60
-
-"${trainer}" "${flags[@]}" --checkpoint_every 25 --out_dir "${out}/plain" 2>"${out}/plain.log" \
-  || { cat "${out}/plain.log"; exit 1; }
-final=checkpoints/step_00000060
-for f in dense.pt experts_g0.pt experts_g1.pt experts_g2.pt experts_g3.pt data.txt; do
-  cmp "${out}/stopped/${final}/${f}" "${out}/plain/${final}/${f}"
-done
-# The same final validation loss, to the printed digit.
-final_val() { grep -o 'validation: loss .*' "$1" | sed 's/.*-> \([0-9.]*\),.*/\1/'; }
-test "$(final_val "${out}/resumed.log")" = "$(final_val "${out}/plain.log")"
+check_stop_checkpoint "${out}/stopped" INT
+resume_and_compare "${out}/stopped"
 
 # SIGINT inherited ignored, checkpoints off: it stops, saying there is
 # nothing to resume from.
@@ -89,9 +112,10 @@ grep -q 'stopped by SIGINT after step [0-9]* of 60; no checkpoint (--checkpoint_
   "${out}/nocheckpoint.log"
 test ! -e "${out}/nocheckpoint/checkpoints"
 
-# SIGTERM: exit 143 and its checkpoint.
+# SIGTERM, as Kubernetes sends: exit 143, its checkpoint, and a resume that
+# ends as the uninterrupted run.
 run_and_signal TERM pid "${out}/terminated" --checkpoint_every 25
 test "${status}" -eq 143
-grep -q 'stopped by SIGTERM after step [0-9]* of 60; checkpoint .*/step_000000[0-9][0-9] (continue with --resume)' \
-  "${out}/terminated.log"
+check_stop_checkpoint "${out}/terminated" TERM
+resume_and_compare "${out}/terminated"
 echo "stop and resume test passed"

@@ -1,6 +1,7 @@
 // The balance controller (routing_config.h, BalanceControllerUpdate): the
 // update by hand, selection with the bias, and the closed loop holding the
 // band on a router whose gate prefers one expert per group.
+#include <algorithm>
 #include <cmath>
 
 #include <gtest/gtest.h>
@@ -70,30 +71,97 @@ TEST(BalanceControllerTest, UpdateIsProjectedDualAscentOnTheBand) {
   EXPECT_NE(r.upper[0], 0.1 * (0.5 - 0.15));
 }
 
-TEST(BalanceControllerTest, CountSelectionsEqualsSelectThenBincount) {
-  // The oracle: the tensor selection Route uses, counted with bincount.
-  at::manual_seed(7);
-  const at::Tensor scores = at::randn({300, 8});
+// The hand count: per token, the scores plus the bias (added in the scores'
+// precision: fp32 sums rounded to fp32), then the k best of each group by
+// repeated linear scans (testing::HandTopIndices; ties to the lower index).
+std::vector<int64_t> HandCounts(const testing::Matrix& scores, const std::vector<double>& bias,
+                                int groups, int k, bool single_precision) {
+  const size_t n = bias.size(), width = n / groups;
+  std::vector<int64_t> counts(n, 0);
+  for (const auto& row : scores) {
+    std::vector<double> biased(n);
+    for (size_t i = 0; i < n; ++i) {
+      biased[i] = single_precision
+                      ? static_cast<double>(static_cast<float>(row[i]) + static_cast<float>(bias[i]))
+                      : row[i] + bias[i];
+    }
+    for (int g = 0; g < groups; ++g) {
+      for (const int64_t id : testing::HandTopIndices(biased, g * width, (g + 1) * width, k)) {
+        ++counts[id];
+      }
+    }
+  }
+  return counts;
+}
+
+TEST(BalanceControllerTest, CountSelectionsMatchesAHandCount) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  const at::Tensor scores = at::randn({300, 8}, gen);
+  const testing::Matrix m = testing::ToMatrix(scores);  // the fp32 values, exactly
   const std::vector<double> bias = {0.3, -0.2, 0.0, 0.5, -0.4, 0.1, 0.2, -0.1};
-  const at::Tensor b = at::tensor(bias, at::kDouble).to(at::kFloat);
-  const auto counted = [&](const Selection& sel) {
-    const at::Tensor c = at::bincount(sel.ids.reshape(-1), {}, 8);
-    return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + 8);
-  };
-  for (const int64_t groups : {4, 2}) {
-    for (const int64_t k : {1, 2}) {
-      EXPECT_EQ(CountSelections(scores, bias, groups, k),
-                counted(SelectGroupedTopK(scores + b, groups, k)))
+  for (const int groups : {4, 2}) {
+    for (const int k : {1, 2}) {
+      EXPECT_EQ(CountSelections(scores, bias, groups, k), HandCounts(m, bias, groups, k, true))
           << groups << " groups, k = " << k;
     }
   }
-  EXPECT_EQ(CountSelections(scores, bias, 1, 3), counted(SelectFlatTopK(scores + b, 3)));
-  const at::Tensor d = scores.to(at::kDouble);
-  EXPECT_EQ(CountSelections(d, bias, 4, 1),
-            counted(SelectGroupedTopK(d + at::tensor(bias, at::kDouble), 4, 1)));
+  EXPECT_EQ(CountSelections(scores, bias, 1, 3), HandCounts(m, bias, 1, 3, true));
+  // Double scores add the bias in double. Here the scores are corrected
+  // logits (g - tau*gbar)/T computed by hand, as the router hands them over.
+  const at::Tensor g = at::randn({300, 8}, gen, at::dtype(at::kDouble));
+  const std::vector<double> ema = {0.4, -0.3, 0.9, 0.0, -1.2, 0.6, 0.2, -0.5};
+  testing::Matrix corrected = testing::ToMatrix(g);
+  for (auto& row : corrected) {
+    for (size_t i = 0; i < 8; ++i) row[i] = (row[i] - 0.5 * ema[i]) / 0.8;
+  }
+  EXPECT_EQ(CountSelections(ToTensor(corrected), bias, 4, 1),
+            HandCounts(corrected, bias, 4, 1, false));
+  EXPECT_EQ(CountSelections(ToTensor(corrected), bias, 2, 2),
+            HandCounts(corrected, bias, 2, 2, false));
   // A hand case: token {1, 0.5 | 0, 0.2}, bias +0.6 on expert 1 flips group 0.
   EXPECT_EQ(CountSelections(ToTensor({{1.0, 0.5, 0.0, 0.2}}), {0, 0.6, 0, 0}, 2, 1),
             (std::vector<int64_t>{0, 1, 0, 1}));
+}
+
+// The controller's solve on one training batch, written out by hand from the
+// header's rule: from zero multipliers and the step `rate` (stored in fp32,
+// as the fp32 state), count the picks on scores + bias; stop once every
+// count is within delta = band * target of the mean (or after the last
+// allowed update); else move every expert's multipliers by
+//   upper <- max(0, upper + step*(x - delta)), lower <- max(0, lower + step*(-x - delta)),
+// the step halved where x changed sign, else grown 1.2x up to `rate`.
+struct HandBand {
+  std::vector<double> bias;
+  std::vector<int64_t> counts;
+};
+
+HandBand HandSolveBand(const testing::Matrix& scores, int groups, int k, double target,
+                       double rate) {
+  const size_t n = scores[0].size();
+  const auto f32 = [](double v) { return static_cast<double>(static_cast<float>(v)); };
+  std::vector<double> upper(n, 0.0), lower(n, 0.0), step(n, f32(rate)), last(n, 0.0);
+  const double mean = static_cast<double>(scores.size() * groups * k) / n;
+  const double delta = kBalanceBand * target;
+  HandBand out;
+  for (int iteration = 0;; ++iteration) {
+    out.bias.assign(n, 0.0);
+    for (size_t i = 0; i < n; ++i) {
+      out.bias[i] = static_cast<double>(static_cast<float>(lower[i]) - static_cast<float>(upper[i]));
+    }
+    out.counts = HandCounts(scores, out.bias, groups, k, false);
+    double worst = 0;
+    for (const int64_t c : out.counts) worst = std::max(worst, std::abs(c - mean));
+    if (worst / mean <= delta || iteration == kMaxBalanceIterations) break;
+    for (size_t i = 0; i < n; ++i) {
+      const double x = (out.counts[i] - mean) / mean;
+      const double s = x * last[i] < 0 ? step[i] * 0.5 : std::min(step[i] * 1.2, rate);
+      upper[i] = f32(std::max(upper[i] + s * (x - delta), 0.0));
+      lower[i] = f32(std::max(lower[i] + s * (-x - delta), 0.0));
+      step[i] = f32(s);
+      last[i] = f32(x);
+    }
+  }
+  return out;
 }
 
 TEST(BalanceControllerTest, BiasMovesSelectionButNotWeights) {
@@ -140,12 +208,21 @@ TEST(BalanceControllerTest, TrainingBatchIsSolvedIntoTheBandEvaluationIsNot) {
     EXPECT_LE(count, 50 + 7.5);
   }
   EXPECT_LE(trained.stats.expert_cv, 0.15);
-  // The bias is what moved them: token t goes to expert 1 iff its gap is
-  // below b_1 - b_0, so the counts follow from the stored bias by hand.
+  // The counts, picks and bias against the solve written out by hand.
+  const HandBand hand = HandSolveBand(rows, 2, 1, c.target_expert_cv, c.balance_rate);
+  EXPECT_EQ(trained.stats.expert_counts,
+            std::vector<double>(hand.counts.begin(), hand.counts.end()));
   const std::vector<double> b = Vec(router->BalanceBias());
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(b[i], hand.bias[i], 1e-7) << i;
+  // Token t goes to expert 1 iff its gap is below b_1 - b_0 (hand bias).
+  const auto trained_ids = ToNested(trained.expert_ids);
   int want_1 = 0;
-  for (int t = 0; t < 100; ++t) want_1 += (0.5 + 0.01 * t) + b[0] < b[1];
-  EXPECT_EQ(trained.stats.expert_counts[1], want_1);
+  for (int t = 0; t < 100; ++t) {
+    const bool to_1 = (0.5 + 0.01 * t) + hand.bias[0] < hand.bias[1];
+    want_1 += to_1;
+    EXPECT_EQ(trained_ids[t][0], to_1 ? 1 : 0) << t;
+  }
+  EXPECT_EQ(hand.counts[1], want_1);
   // Evaluation uses the stored bias without iterating: same picks, same bias.
   const RoutingOutput eval = MustRoute(*router, g, false);
   EXPECT_TRUE(at::equal(eval.expert_ids, trained.expert_ids));

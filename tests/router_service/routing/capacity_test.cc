@@ -198,45 +198,60 @@ TEST(CapacityTest, GroupedRanksAreWithinGroup) {
 // caller would see).
 TEST(CapacityTest, SegmentsAreEachRoutedAsIfAlone) {
   const std::vector<int64_t> rows = {5, 11, 2, 7};
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  const at::Tensor logits = at::randn({25, 8}, gen, at::dtype(at::kDouble)) * 2;
   for (const RoutingMethod method :
        {RoutingMethod::kHiMoe, RoutingMethod::kVanilla, RoutingMethod::kStMoe}) {
     SCOPED_TRACE(std::string(RoutingMethodName(method)));
     RoutingConfig c = Config(method, 8, 4, 1);
     c.capacity_factor = 0.5;
     if (method == RoutingMethod::kStMoe) c.second_choice_threshold = 0.2;
-    auto router = MakeRouter(c);
-    at::manual_seed(7);
-    const at::Tensor logits = at::randn({25, 8}) * 2;
-    std::vector<at::Tensor> kept, ids, weights;
+    auto router = MakeRouter(c);  // seed 1
+    // The oracle: the hand selection, then each segment's own capacity
+    // (HandCapacity of its rows) and, for st_moe, its own draws from the
+    // evaluation seed (call 0), kept by the hand drop rule.
+    const testing::HandRoute want =
+        testing::HandRouting(c, testing::ToMatrix(logits), std::vector<double>(8, 0.0));
+    ASSERT_GT(testing::HandSelectionMargin(c, want), 1e-9);
+    const uint64_t drop_seed = testing::HandDropSeed(1, 0);
+    const Ids want_kept = testing::HandKeep(c, want, drop_seed, rows);
+    const int64_t want_dropped = testing::CountDropped(want_kept);
     int64_t offset = 0;
     for (const int64_t n : rows) {
       const RoutingOutput alone = MustRoute(*router, logits.narrow(0, offset, n), false);
-      kept.push_back(alone.kept);
-      ids.push_back(alone.expert_ids);
-      weights.push_back(alone.weights);
+      const Ids part(want_kept.begin() + offset, want_kept.begin() + offset + n);
+      EXPECT_EQ(ToNested(alone.kept), part) << "segment at row " << offset;
+      EXPECT_EQ(alone.stats.capacity, testing::HandCapacity(c, n));
       offset += n;
     }
     auto merged = router->RouteLogits(logits, false, rows);
     ASSERT_TRUE(merged.ok()) << merged.status();
-    EXPECT_TRUE(at::equal(merged->kept, at::cat(kept)));
-    EXPECT_TRUE(at::equal(merged->expert_ids, at::cat(ids)));
-    EXPECT_TRUE(at::allclose(merged->weights, at::cat(weights)));
-    // The dispatch keeps exactly the kept assignments.
+    EXPECT_EQ(ToNested(merged->expert_ids), want.ids);
+    EXPECT_EQ(ToNested(merged->kept), want_kept);
+    const auto weights = ToNested<double>(merged->weights);
+    for (size_t t = 0; t < want.weights.size(); ++t) {
+      for (size_t j = 0; j < want.weights[t].size(); ++j) {
+        EXPECT_NEAR(weights[t][j], want.weights[t][j], 1e-12) << t << ", " << j;
+      }
+    }
+    // The dispatch carries exactly the hand-kept assignments.
     int64_t dispatched = 0;
     for (const GroupDispatch& d : merged->groups) dispatched += d.token_rows.numel();
-    EXPECT_EQ(dispatched, at::cat(kept).sum().item<int64_t>());
-    EXPECT_EQ(merged->stats.dropped,
-              merged->kept.numel() - merged->kept.sum().item<int64_t>());
-    EXPECT_GT(merged->stats.dropped, 0);
-    const RoutingOutput unsegmented = MustRoute(*router, logits, false);
-    EXPECT_FALSE(at::equal(unsegmented.kept, at::cat(kept)));
+    EXPECT_EQ(dispatched, 25 * c.total_k() - want_dropped);
+    EXPECT_EQ(merged->stats.dropped, want_dropped);
+    EXPECT_GT(want_dropped, 0);
+    // Routed whole, the batch has one capacity (and one stream of draws):
+    // other drops.
+    const Ids whole = testing::HandKeep(c, want, drop_seed);
+    ASSERT_NE(whole, want_kept);
+    EXPECT_EQ(ToNested(MustRoute(*router, logits, false).kept), whole);
   }
   RoutingConfig c = Config(RoutingMethod::kHiMoe, 8, 4, 1);
   auto router = MakeRouter(c);
-  const at::Tensor logits = at::randn({6, 8});
-  EXPECT_EQ(router->RouteLogits(logits, false, {2, 3}).status().code(),
+  const at::Tensor six = at::randn({6, 8}, gen, at::dtype(at::kDouble));
+  EXPECT_EQ(router->RouteLogits(six, false, {2, 3}).status().code(),
             absl::StatusCode::kInvalidArgument);  // 5 of 6 rows
-  EXPECT_EQ(router->RouteLogits(logits, false, {6, 0}).status().code(),
+  EXPECT_EQ(router->RouteLogits(six, false, {6, 0}).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 

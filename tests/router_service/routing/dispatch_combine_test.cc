@@ -1,7 +1,10 @@
 #include "router_service/routing/dispatch_combine.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -11,128 +14,118 @@
 namespace himoe::router {
 namespace {
 
-// A plan as the router makes it: K = 4 picks per token over 3 groups of 2
-// experts, so a token sends 0, 1 or 2 rows to a group; a quarter of the
-// picks dropped (capacity), so some tokens send nothing at all.
-std::vector<GroupDispatch> RandomPlan(int64_t tokens, uint64_t seed) {
-  at::manual_seed(seed);
-  const at::Tensor ids = at::randint(0, 6, {tokens, 4}, at::kLong);
-  const at::Tensor weights = at::rand({tokens, 4}).requires_grad_(true);
-  const at::Tensor kept = at::rand({tokens, 4}).gt(0.25);
-  return BuildDispatchPlan(ids, weights, kept, /*num_groups=*/3, /*experts_per_group=*/2);
-}
-
-// The oracle: plain loops in double over the plan.
-struct Reference {
-  at::Tensor out;                 // [T, d]: sum of w * y per token
-  at::Tensor grad_x;              // [T, d]: sum of the rows' gradients per token
-  std::vector<at::Tensor> grad_y;  // w * grad_out[t]
-  std::vector<at::Tensor> grad_w;  // <grad_out[t], y>
+// A routing decision as the router makes it: K = 4 picks per token over 3
+// groups of 2 experts, so a token sends 0, 1 or 2 rows to a group; a quarter
+// of the picks dropped (capacity), so some tokens send nothing at all.
+struct Decision {
+  at::Tensor ids, weights, kept;  // [T, 4]
 };
 
-Reference Compute(int64_t tokens, int64_t d, const std::vector<GroupDispatch>& plan,
-                  const std::vector<at::Tensor>& ys, const std::vector<at::Tensor>& row_grads,
-                  const at::Tensor& grad_out) {
+Decision RandomDecision(int64_t tokens, uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  Decision d;
+  d.ids = at::randint(0, 6, {tokens, 4}, gen, at::kLong);
+  d.weights = at::rand({tokens, 4}, gen).requires_grad_(true);
+  d.kept = at::rand({tokens, 4}, gen).gt(0.25);
+  return d;
+}
+
+std::vector<GroupDispatch> RandomPlan(int64_t tokens, uint64_t seed) {
+  const Decision d = RandomDecision(tokens, seed);
+  return BuildDispatchPlan(d.ids, d.weights, d.kept, /*num_groups=*/3, /*experts_per_group=*/2);
+}
+
+// The oracle: a dense per-token loop over the K picks in double, with no
+// dispatch plan. Expert e is y = x * a[e] + b[e] (elementwise), so
+//   out[t]       = sum_{j kept} w[t][j] * (x[t] * a[e] + b[e]),
+//   dx[t]        = sum_{j kept} w[t][j] * a[e] * go[t],
+//   dw[t][j]     = <go[t], x[t] * a[e] + b[e]> if kept, else 0,
+//   da[e], db[e] = sum over the kept picks of e of w * go[t] * x[t], w * go[t].
+struct Reference {
+  std::vector<std::vector<double>> out, grad_x, grad_w, grad_a, grad_b;
+};
+
+Reference PerTokenLoops(const Decision& dec, const at::Tensor& x, const at::Tensor& a,
+                        const at::Tensor& b, const at::Tensor& grad_out) {
+  const at::Tensor xd = x.detach().to(at::kDouble), ad = a.detach().to(at::kDouble);
+  const at::Tensor bd = b.detach().to(at::kDouble), go = grad_out.to(at::kDouble);
+  const at::Tensor wd = dec.weights.detach().to(at::kDouble);
+  const auto xs = xd.accessor<double, 2>(), as = ad.accessor<double, 2>();
+  const auto bs = bd.accessor<double, 2>(), gs = go.accessor<double, 2>();
+  const auto ws = wd.accessor<double, 2>();
+  const auto ids = dec.ids.accessor<int64_t, 2>();
+  const auto kept = dec.kept.accessor<bool, 2>();
+  const int64_t tokens = x.size(0), d = x.size(1), experts = a.size(0);
   Reference r;
-  r.out = at::zeros({tokens, d}, at::kDouble);
-  r.grad_x = at::zeros({tokens, d}, at::kDouble);
-  const at::Tensor go = grad_out.to(at::kDouble);
-  for (size_t g = 0; g < plan.size(); ++g) {
-    const int64_t n = plan[g].token_rows.numel();
-    const at::Tensor y = ys[g].detach().to(at::kDouble);
-    const at::Tensor w = plan[g].weights.detach().to(at::kDouble);
-    const at::Tensor rg = row_grads[g].to(at::kDouble);
-    at::Tensor gy = at::zeros({n, d}, at::kDouble);
-    at::Tensor gw = at::zeros({n}, at::kDouble);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = plan[g].token_rows[i].item<int64_t>();
-      const double wi = w[i].item<double>();
+  r.out.assign(tokens, std::vector<double>(d, 0.0));
+  r.grad_x.assign(tokens, std::vector<double>(d, 0.0));
+  r.grad_w.assign(tokens, std::vector<double>(4, 0.0));
+  r.grad_a.assign(experts, std::vector<double>(d, 0.0));
+  r.grad_b.assign(experts, std::vector<double>(d, 0.0));
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t j = 0; j < 4; ++j) {
+      if (!kept[t][j]) continue;
+      const int64_t e = ids[t][j];
+      const double w = ws[t][j];
       for (int64_t c = 0; c < d; ++c) {
-        const double yc = y[i][c].item<double>();
-        const double goc = go[t][c].item<double>();
-        r.out[t][c] += wi * yc;
-        r.grad_x[t][c] += rg[i][c].item<double>();
-        gy[i][c] = wi * goc;
-        gw[i] += goc * yc;
+        const double y = xs[t][c] * as[e][c] + bs[e][c];
+        r.out[t][c] += w * y;
+        r.grad_x[t][c] += w * as[e][c] * gs[t][c];
+        r.grad_w[t][j] += gs[t][c] * y;
+        r.grad_a[e][c] += w * gs[t][c] * xs[t][c];
+        r.grad_b[e][c] += w * gs[t][c];
       }
     }
-    r.grad_y.push_back(gy);
-    r.grad_w.push_back(gw);
   }
   return r;
 }
 
-double MaxAbs(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0) return 0;
-  return (a.to(at::kDouble) - b).abs().max().item<double>();
+double MaxAbs(const at::Tensor& got, const std::vector<std::vector<double>>& want) {
+  const at::Tensor g = got.detach().to(at::kDouble).contiguous();
+  const auto ga = g.accessor<double, 2>();
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    for (size_t j = 0; j < want[i].size(); ++j) {
+      worst = std::max(worst, std::abs(ga[i][j] - want[i][j]));
+    }
+  }
+  return worst;
 }
 
-// Dispatch then combine with autograd against the double loops, at widths
-// with and without a tail past the 16-value lanes. The rows are x's rows
-// exactly; the rows' gradients are arbitrary (a loss through random
-// coefficients), so the dispatch backward is checked on its own.
-TEST(DispatchCombineTest, MatchTheReferenceLoops) {
+// Dispatch, the experts, then combine, with autograd, against the per-token
+// loops, at widths with and without a tail past the 16-value lanes: the
+// output, x's gradient, the router weights' gradient (exactly 0 where
+// dropped) and the experts' gradients, which see the rows' gradients.
+TEST(DispatchCombineTest, MatchThePerTokenLoops) {
   for (const int64_t d : {20, 128}) {
     const int64_t tokens = 37;
-    const std::vector<GroupDispatch> plan = RandomPlan(tokens, 7 + d);
-    const at::Tensor x = at::randn({tokens, d}).requires_grad_(true);
+    const Decision dec = RandomDecision(tokens, 7 + d);
+    const std::vector<GroupDispatch> plan = BuildDispatchPlan(dec.ids, dec.weights, dec.kept, 3, 2);
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(100 + d);
+    const at::Tensor x = at::randn({tokens, d}, gen).requires_grad_(true);
+    const at::Tensor a = at::randn({6, d}, gen).requires_grad_(true);
+    const at::Tensor b = at::randn({6, d}, gen).requires_grad_(true);
+    const at::Tensor grad_out = at::randn({tokens, d}, gen);
     const std::vector<at::Tensor> rows = DispatchGroupRows(x, plan);
     ASSERT_EQ(rows.size(), plan.size());
-    std::vector<at::Tensor> ys, coeffs;
+    std::vector<at::Tensor> ys;
     for (size_t g = 0; g < plan.size(); ++g) {
-      ASSERT_TRUE(at::equal(rows[g], x.detach().index_select(0, plan[g].token_rows)));
-      coeffs.push_back(at::randn(rows[g].sizes()));
-      // y depends on the rows (so x gets a gradient through it) and is a leaf
-      // of its own for the reference.
-      ys.push_back(rows[g] * coeffs.back());
-      ys.back().retain_grad();
+      ys.push_back(rows[g] * a.index_select(0, plan[g].expert_ids) +
+                   b.index_select(0, plan[g].expert_ids));
     }
     const at::Tensor out = CombineGroupOutputs(tokens, d, plan, ys);
-    const at::Tensor grad_out = at::randn({tokens, d});
     out.backward(grad_out);
 
-    std::vector<at::Tensor> row_grads;
-    for (size_t g = 0; g < plan.size(); ++g) {
-      row_grads.push_back(ys[g].grad() * coeffs[g]);
-    }
-    const Reference want = Compute(tokens, d, plan, ys, row_grads, grad_out);
+    const Reference want = PerTokenLoops(dec, x, a, b, grad_out);
     EXPECT_LT(MaxAbs(out, want.out), 1e-5) << "d " << d;
     EXPECT_LT(MaxAbs(x.grad(), want.grad_x), 1e-5) << "d " << d;
-    for (size_t g = 0; g < plan.size(); ++g) {
-      EXPECT_LT(MaxAbs(ys[g].grad(), want.grad_y[g]), 1e-6) << "group " << g;
-    }
+    EXPECT_LT(MaxAbs(dec.weights.grad(), want.grad_w), 1e-4) << "d " << d;
+    EXPECT_LT(MaxAbs(a.grad(), want.grad_a), 1e-5) << "d " << d;
+    EXPECT_LT(MaxAbs(b.grad(), want.grad_b), 1e-5) << "d " << d;
+    // Dropped picks get exactly zero.
+    EXPECT_EQ(dec.weights.grad().masked_select(dec.kept.logical_not()).abs().sum().item<double>(),
+              0.0);
   }
-}
-
-// The weights' gradient reaches the router's [T, K] weights: for each
-// assignment (t, j) kept, <grad_out[t], y of that row>; 0 where dropped.
-TEST(DispatchCombineTest, WeightGradientReachesTheRouterWeights) {
-  const int64_t tokens = 29, d = 24;
-  at::manual_seed(3);
-  const at::Tensor ids = at::randint(0, 6, {tokens, 4}, at::kLong);
-  const at::Tensor weights = at::rand({tokens, 4}).requires_grad_(true);
-  const at::Tensor kept = at::rand({tokens, 4}).gt(0.25);
-  const std::vector<GroupDispatch> plan = BuildDispatchPlan(ids, weights, kept, 3, 2);
-  std::vector<at::Tensor> ys;
-  for (const GroupDispatch& p : plan) ys.push_back(at::randn({p.token_rows.numel(), d}));
-  const at::Tensor grad_out = at::randn({tokens, d});
-  CombineGroupOutputs(tokens, d, plan, ys).backward(grad_out);
-
-  at::Tensor want = at::zeros({tokens * 4}, at::kDouble);
-  for (size_t g = 0; g < plan.size(); ++g) {
-    for (int64_t i = 0; i < plan[g].token_rows.numel(); ++i) {
-      const int64_t slot = plan[g].slots[i].item<int64_t>();
-      const int64_t t = plan[g].token_rows[i].item<int64_t>();
-      double dot = 0;
-      for (int64_t c = 0; c < d; ++c) {
-        dot += grad_out[t][c].item<double>() * ys[g][i][c].item<double>();
-      }
-      want[slot] = dot;
-    }
-  }
-  EXPECT_LT(MaxAbs(weights.grad().reshape(-1), want), 1e-5);
-  // Dropped picks get exactly zero.
-  EXPECT_EQ(weights.grad().masked_select(kept.logical_not()).abs().sum().item<double>(), 0.0);
 }
 
 // A token's sum is its own: 1 and 2 threads give the same bits, and a
@@ -140,8 +133,9 @@ TEST(DispatchCombineTest, WeightGradientReachesTheRouterWeights) {
 TEST(DispatchCombineTest, SameBitsOnAnyThreadCount) {
   const int64_t tokens = 301, d = 40;
   const std::vector<GroupDispatch> plan = RandomPlan(tokens, 11);
-  const at::Tensor x = at::randn({tokens, d});
-  const at::Tensor grad_out = at::randn({tokens, d});
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(12);
+  const at::Tensor x = at::randn({tokens, d}, gen);
+  const at::Tensor grad_out = at::randn({tokens, d}, gen);
   // out, x's gradient, the weights' gradient
   const auto run = [&](int threads) {
     at::set_num_threads(threads);
@@ -186,7 +180,8 @@ TEST(DispatchCombineTest, SameBitsOnAnyThreadCount) {
 TEST(DispatchCombineTest, RowsWithoutGradientCountAsZero) {
   const int64_t tokens = 23, d = 17;
   const std::vector<GroupDispatch> plan = RandomPlan(tokens, 5);
-  const at::Tensor x = at::randn({tokens, d}).requires_grad_(true);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(6);
+  const at::Tensor x = at::randn({tokens, d}, gen).requires_grad_(true);
   const std::vector<at::Tensor> rows = DispatchGroupRows(x, plan);
   ASSERT_GT(rows[1].size(0), 0);
   rows[1].sum().backward();
@@ -204,7 +199,8 @@ TEST(DispatchCombineTest, TokenRowOutsideTheBatchIsAnError) {
   d.expert_ids = at::tensor({0, 0}, at::kLong);
   d.weights = at::ones({2});
   d.slots = at::tensor({0, 1}, at::kLong);
-  const at::Tensor x = at::randn({3, 16});
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(4);
+  const at::Tensor x = at::randn({3, 16}, gen);
   EXPECT_THROW(
       {
         try {
@@ -217,14 +213,15 @@ TEST(DispatchCombineTest, TokenRowOutsideTheBatchIsAnError) {
         }
       },
       c10::Error);
-  EXPECT_THROW(CombineGroupOutputs(3, 16, {d}, {at::randn({2, 16})}), c10::Error);
+  EXPECT_THROW(CombineGroupOutputs(3, 16, {d}, {at::randn({2, 16}, gen)}), c10::Error);
 }
 
 // Elsewhere (here: double tensors) the ATen ops answer, with the same values.
 TEST(DispatchCombineTest, OtherDtypesTakeTheAtenOps) {
   const int64_t tokens = 19, d = 16;
   const std::vector<GroupDispatch> plan = RandomPlan(tokens, 9);
-  const at::Tensor x = at::randn({tokens, d}, at::kDouble).requires_grad_(true);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(10);
+  const at::Tensor x = at::randn({tokens, d}, gen, at::dtype(at::kDouble)).requires_grad_(true);
   const std::vector<at::Tensor> rows = DispatchGroupRows(x, plan);
   for (size_t g = 0; g < plan.size(); ++g) {
     EXPECT_TRUE(at::equal(rows[g], x.detach().index_select(0, plan[g].token_rows)));

@@ -70,8 +70,7 @@ HandDecision DecideByHand(const RoutingConfig& c, const at::Tensor& x, const at:
   const testing::HandRoute r = testing::HandRouting(c, logits, h.ema, bias);
   h.ids = r.ids;
   h.margin = testing::HandSelectionMargin(c, r);
-  h.capacity = testing::HandCapacity(c.capacity_factor, c.total_k(),
-                                     static_cast<int64_t>(xm.size()), c.num_experts);
+  h.capacity = testing::HandCapacity(c, static_cast<int64_t>(xm.size()));
   h.kept = testing::HandKeepMask(r.ids, r.rank, c.num_experts, h.capacity);
   RoutingConfig on_p = c;
   if (on_p.method == RoutingMethod::kHiMoe) on_p.method = RoutingMethod::kMoge;
@@ -121,7 +120,7 @@ TEST_P(LocalMoETest, ForwardAndBackwardMatchDenseReference) {
   at::manual_seed(17);
   LocalMoEOptions o;
   o.routing = testing::Config(tc.method, 8, 4, tc.k);
-  ASSERT_TRUE(testing::ApplyOraclePreset(tc.preset, &o.routing).ok());
+  ASSERT_TRUE(ApplyPreset(tc.preset, &o.routing).ok());
   if (tc.capacity_factor >= 0) o.routing.capacity_factor = tc.capacity_factor;
   o.routing.tau = 0.2;  // visible correction
   o.shape = testing::Shape(8, 4, kD, kDff, 99);

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include "router_service/routing/routing_math.h"
 #include "tests/router_service/routing/routing_test_util.h"
@@ -218,32 +219,119 @@ TEST(ReferencePresetTest, StMoeDropsSecondChoicesAtRandomBelowTheThreshold) {
   const RoutingOutput out = MustRoute(*router, ToTensor(logits), true);
   const auto kept = ToNested(out.kept);
   const auto w = ToNested<double>(out.weights);
+  // The oracle: the hand selection and weights, draws from a generator
+  // seeded as the first training call's (router seed 7, call 1), and the
+  // hand drop rule; nothing read from the code's kept mask.
+  const testing::HandRoute want =
+      testing::HandRouting(c, logits, std::vector<double>(4, 0.0));
+  const testing::Ids want_kept = testing::HandKeep(c, want, testing::HandDropSeed(7, 1));
   int kept_b = 0;
   for (int t = 0; t < kTokens; ++t) {
-    ASSERT_EQ(kept[t][0], 1) << t;  // first choices always stay
+    ASSERT_EQ(want_kept[t][0], 1) << t;  // first choices always stay
     if (t % 2 == 0) {
       EXPECT_NEAR(w[t][1], 0.4, 1e-9);
-      EXPECT_EQ(kept[t][1], 1) << t;
+      EXPECT_EQ(want_kept[t][1], 1) << t;
     } else {
       EXPECT_NEAR(w[t][1], wb, 1e-9);
-      kept_b += kept[t][1];
+      kept_b += want_kept[t][1];
     }
   }
+  EXPECT_EQ(kept, want_kept);
   // Binomial(2000, 0.05): mean 100, sd 9.7; 5 sd either side.
   EXPECT_GT(kept_b, 100 - 49);
   EXPECT_LT(kept_b, 100 + 49);
-  EXPECT_EQ(out.stats.dropped, kTokens / 2 - kept_b);
+  EXPECT_EQ(out.stats.dropped, testing::CountDropped(want_kept));
+  EXPECT_EQ(testing::CountDropped(want_kept), kTokens / 2 - kept_b);
   int64_t dispatched = 0;
   for (const GroupDispatch& d : out.groups) dispatched += d.token_rows.numel();
   EXPECT_EQ(dispatched, kTokens + kTokens / 2 + kept_b);
-  // Training draws advance (a resumed run replays them from the saved call
-  // count); evaluation draws are one fixed stream.
+  // Training draws advance with the call count (a resumed run replays them
+  // from the saved count); evaluation draws are one fixed stream (call 0).
   EXPECT_EQ(router->route_calls().item<int64_t>(), 1);
   auto twin = MakeRouter(c, 4, 7);
-  EXPECT_TRUE(at::equal(MustRoute(*twin, ToTensor(logits), true).kept, out.kept));
-  EXPECT_FALSE(at::equal(MustRoute(*twin, ToTensor(logits), true).kept, out.kept));
-  EXPECT_TRUE(at::equal(MustRoute(*twin, ToTensor(logits), false).kept,
-                        MustRoute(*router, ToTensor(logits), false).kept));
+  EXPECT_EQ(ToNested(MustRoute(*twin, ToTensor(logits), true).kept), want_kept);
+  const testing::Ids second = testing::HandKeep(c, want, testing::HandDropSeed(7, 2));
+  ASSERT_NE(second, want_kept);
+  EXPECT_EQ(ToNested(MustRoute(*twin, ToTensor(logits), true).kept), second);
+  const testing::Ids eval = testing::HandKeep(c, want, testing::HandDropSeed(7, 0));
+  EXPECT_EQ(ToNested(MustRoute(*twin, ToTensor(logits), false).kept), eval);
+  EXPECT_EQ(ToNested(MustRoute(*router, ToTensor(logits), false).kept), eval);
+}
+
+// Every method under the reference preset with every released row on at once
+// (capacity with the released rounding, st_moe's random drop, the router
+// scale, the z-loss, the released load losses, sigmoid scores), in training,
+// against testing::HandRouting, HandKeep and HandGradient: ids, weights,
+// kept mask, capacity, dropped count, each loss and the logits' gradient.
+TEST(ReferencePresetTest, ReleasedRowsMatchTheHandRouting) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(23);
+  constexpr int64_t kT = 14;
+  const at::Tensor logits = at::randn({kT, 8}, gen, at::dtype(at::kDouble)) * 2;
+  const Matrix g = testing::ToMatrix(logits);
+  const std::vector<double> scale = {0.5, 1.5, 2.0, 0.25, 1.0, 0.75, 1.25, 3.0};
+  const std::vector<double> bias = {0.05, -0.03, 0.0, 0.02, -0.04, 0.01, 0.03, -0.02};
+  for (const RoutingMethod method : testing::kAllMethods) {
+    for (const auto& [m, k] : {std::pair{4, 1}, std::pair{2, 2}}) {
+      SCOPED_TRACE(std::string(RoutingMethodName(method)) + " k=" + std::to_string(k));
+      RoutingConfig c = Reference(method, 8, m, k);
+      // K = 4: floor(4*14/8) = 7, made 8 but for loss_free; some drops.
+      c.capacity_factor = 1.0;
+      c.tau = 0.3;
+      c.z_coef = 0.05;
+      auto router = MakeRouter(c, 4, /*seed=*/5);
+      const std::vector<double> ema0 = {0.5, -0.25, 1.0, 0.0, -0.5, 0.75, 0.25, -1.0};
+      router->logit_ema().copy_(at::tensor(ema0, at::kDouble));
+      std::vector<double> hand_bias, hand_scale;
+      if (method == RoutingMethod::kLossFree) {
+        router->loss_free_bias().copy_(at::tensor(bias, at::kDouble));
+        hand_bias = testing::ToVector(router->loss_free_bias());  // fp32-rounded
+      }
+      if (router->router_scale().defined()) {
+        at::NoGradGuard no_grad;
+        router->router_scale().copy_(ToTensor({scale}));
+        hand_scale = scale;
+      }
+      const std::vector<double> ema = method == RoutingMethod::kHiMoe
+                                          ? testing::HandEmaUpdate(ema0, g, c.ema_beta)
+                                          : ema0;
+      const testing::HandRoute want = testing::HandRouting(c, g, ema, hand_bias, hand_scale);
+      ASSERT_GT(testing::HandSelectionMargin(c, want), 1e-6);
+      // gbar is stored in fp32: values within a few fp32 ulps.
+      constexpr double kTol = 1e-7;
+      const testing::Ids want_kept = testing::HandKeep(c, want, testing::HandDropSeed(5, 1));
+
+      const at::Tensor input = logits.clone().set_requires_grad(true);
+      const RoutingOutput out = MustRoute(*router, input, /*training=*/true);
+      EXPECT_EQ(ToNested(out.expert_ids), want.ids);
+      const auto w = ToNested<double>(out.weights);
+      for (int64_t t = 0; t < kT; ++t) {
+        for (size_t j = 0; j < want.weights[t].size(); ++j) {
+          EXPECT_NEAR(w[t][j], want.weights[t][j], kTol) << t << ", " << j;
+        }
+      }
+      EXPECT_EQ(out.stats.capacity, testing::HandCapacity(c, kT));
+      EXPECT_EQ(ToNested(out.kept), want_kept);
+      EXPECT_EQ(out.stats.dropped, testing::CountDropped(want_kept));
+      EXPECT_NEAR(out.losses.load.item<double>(), want.load, kTol);
+      EXPECT_NEAR(out.losses.intra.item<double>(), want.intra, kTol);
+      EXPECT_NEAR(out.losses.inter.item<double>(), want.inter, kTol);
+      EXPECT_NEAR(out.losses.z.item<double>(), want.z, kTol);
+
+      Matrix coeff;
+      for (int64_t t = 0; t < kT; ++t) {
+        coeff.emplace_back();
+        for (int j = 0; j < c.total_k(); ++j) coeff.back().push_back(0.1 * ((t + 3 * j) % 7) - 0.3);
+      }
+      const at::Tensor f = out.losses.Total() + (out.weights * ToTensor(coeff)).sum();
+      const Matrix got = testing::ToMatrix(torch::autograd::grad({f}, {input})[0]);
+      const Matrix hand = testing::HandGradient(c, g, ema, hand_bias, hand_scale, coeff);
+      for (int64_t t = 0; t < kT; ++t) {
+        for (int i = 0; i < 8; ++i) {
+          EXPECT_NEAR(got[t][i], hand[t][i], kTol) << "logit [" << t << "][" << i << "]";
+        }
+      }
+    }
+  }
 }
 
 TEST(ReferencePresetTest, LossFreeScoresAreSigmoidsAndItsUpdateUsesTheLastMicroBatch) {

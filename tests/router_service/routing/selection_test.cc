@@ -153,7 +153,8 @@ TEST(SelectionTest, LossFreeSelectsOnBiasedScoresButWeighsByP) {
 }
 
 TEST(SelectionTest, GroupedPicksExactlyKPerGroupFlatMayNot) {
-  const at::Tensor logits = at::randn({256, 16}, at::kDouble) * 3;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(31);
+  const at::Tensor logits = at::randn({256, 16}, gen, at::dtype(at::kDouble)) * 3;
   for (const RoutingMethod method : testing::kAllMethods) {
     const RoutingConfig config = Config(method, 16, 4, 2);
     auto router = MakeRouter(config);
@@ -184,7 +185,8 @@ TEST(SelectionTest, GroupedPicksExactlyKPerGroupFlatMayNot) {
 
 TEST(SelectionTest, DispatchPlanCoversEveryKeptAssignmentSortedByExpert) {
   auto router = MakeRouter(Config(RoutingMethod::kVanilla, 8, 4, 1));
-  const at::Tensor logits = at::randn({40, 8}, at::kDouble);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(37);
+  const at::Tensor logits = at::randn({40, 8}, gen, at::dtype(at::kDouble));
   const RoutingOutput out = MustRoute(*router, logits, false);
   const auto ids = ToNested(out.expert_ids);
   EXPECT_EQ(ids, testing::HandRouting(Config(RoutingMethod::kVanilla, 8, 4, 1),
@@ -258,13 +260,21 @@ TEST(SelectionTest, ServingRoutesAsEvaluationWithoutLosses) {
     options.serving = true;
     auto serving = RouterLayer::Create(options);
     ASSERT_TRUE(full.ok() && serving.ok());
-    at::manual_seed(11);
-    const at::Tensor logits = at::randn({24, 8}, at::kDouble);
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+    const at::Tensor logits = at::randn({24, 8}, gen, at::dtype(at::kDouble));
     const std::vector<int64_t> segments = {10, 14};
     const auto want = (*full)->RouteLogits(logits, /*training=*/false, segments);
     const auto got = (*serving)->RouteLogits(logits, /*training=*/false, segments);
     ASSERT_TRUE(want.ok() && got.ok());
     const std::string name(RoutingMethodName(method));
+    // Both against the hand selection and the hand drop rule per segment.
+    const testing::HandRoute hand =
+        testing::HandRouting(config, testing::ToMatrix(logits), std::vector<double>(8, 0.0));
+    ASSERT_GT(testing::HandSelectionMargin(config, hand), 1e-9) << name;
+    const testing::Ids hand_kept = testing::HandKeep(config, hand, 0, segments);
+    EXPECT_EQ(ToNested(got->expert_ids), hand.ids) << name;
+    EXPECT_EQ(ToNested(got->kept), hand_kept) << name;
+    EXPECT_EQ(got->stats.dropped, testing::CountDropped(hand_kept)) << name;
     EXPECT_TRUE(at::equal(got->expert_ids, want->expert_ids)) << name;
     EXPECT_TRUE(at::equal(got->weights, want->weights)) << name;
     EXPECT_TRUE(at::equal(got->kept, want->kept)) << name;

@@ -40,7 +40,7 @@ std::string MethodPresetName(const ::testing::TestParamInfo<MethodPreset>& info)
 // strong correction with a fast EMA so that the update-before-use matters.
 RoutingConfig StrongConfig(const MethodPreset& param) {
   RoutingConfig c = Config(std::get<0>(param), 8, 4, 1);
-  EXPECT_TRUE(testing::ApplyOraclePreset(std::get<1>(param), &c).ok());
+  EXPECT_TRUE(ApplyPreset(std::get<1>(param), &c).ok());
   c.tau = 0.3;
   c.temperature = 0.7;
   c.ema_beta = 0.8;
