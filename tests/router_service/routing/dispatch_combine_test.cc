@@ -41,11 +41,11 @@ std::vector<GroupDispatch> RandomPlan(int64_t tokens, uint64_t seed) {
 //   dx[t]        = sum_{j kept} w[t][j] * a[e] * go[t],
 //   dw[t][j]     = <go[t], x[t] * a[e] + b[e]> if kept, else 0,
 //   da[e], db[e] = sum over the kept picks of e of w * go[t] * x[t], w * go[t].
-struct Reference {
+struct PerTokenReference {
   std::vector<std::vector<double>> out, grad_x, grad_w, grad_a, grad_b;
 };
 
-Reference PerTokenLoops(const Decision& dec, const at::Tensor& x, const at::Tensor& a,
+PerTokenReference PerTokenLoops(const Decision& dec, const at::Tensor& x, const at::Tensor& a,
                         const at::Tensor& b, const at::Tensor& grad_out) {
   const at::Tensor xd = x.detach().to(at::kDouble), ad = a.detach().to(at::kDouble);
   const at::Tensor bd = b.detach().to(at::kDouble), go = grad_out.to(at::kDouble);
@@ -56,7 +56,7 @@ Reference PerTokenLoops(const Decision& dec, const at::Tensor& x, const at::Tens
   const auto ids = dec.ids.accessor<int64_t, 2>();
   const auto kept = dec.kept.accessor<bool, 2>();
   const int64_t tokens = x.size(0), d = x.size(1), experts = a.size(0);
-  Reference r;
+  PerTokenReference r;
   r.out.assign(tokens, std::vector<double>(d, 0.0));
   r.grad_x.assign(tokens, std::vector<double>(d, 0.0));
   r.grad_w.assign(tokens, std::vector<double>(4, 0.0));
@@ -116,7 +116,7 @@ TEST(DispatchCombineTest, MatchThePerTokenLoops) {
     const at::Tensor out = CombineGroupOutputs(tokens, d, plan, ys);
     out.backward(grad_out);
 
-    const Reference want = PerTokenLoops(dec, x, a, b, grad_out);
+    const PerTokenReference want = PerTokenLoops(dec, x, a, b, grad_out);
     EXPECT_LT(MaxAbs(out, want.out), 1e-5) << "d " << d;
     EXPECT_LT(MaxAbs(x.grad(), want.grad_x), 1e-5) << "d " << d;
     EXPECT_LT(MaxAbs(dec.weights.grad(), want.grad_w), 1e-4) << "d " << d;

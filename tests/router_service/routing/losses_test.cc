@@ -20,13 +20,10 @@ using testing::MustRoute;
 using testing::ToNested;
 using testing::ToTensor;
 
-using MethodPreset = std::tuple<RoutingMethod, const char*>;
+using testing::MethodPreset;
+using testing::MethodPresetName;
 
-std::string MethodPresetName(const ::testing::TestParamInfo<MethodPreset>& info) {
-  return std::string(RoutingMethodName(std::get<0>(info.param))) + "_" + std::get<1>(info.param);
-}
-
-const Matrix kLogits = {
+const Matrix kLossLogits = {
     {0.3, -1.2, 2.0, 0.1, 0.7, -0.4, 1.1, 0.0},  {1.5, 0.2, -0.3, 0.9, -1.0, 0.4, 0.05, 2.2},
     {-0.6, 0.8, 0.3, -0.2, 1.9, 1.0, -1.3, 0.6}, {0.0, 0.45, 1.25, -0.75, 0.2, -0.1, 0.9, 1.4},
     {2.4, -0.5, 0.1, 0.6, 0.3, 1.7, -0.9, -0.2}, {-1.1, 1.3, 0.7, 0.2, -0.3, 0.5, 1.6, 0.35}};
@@ -42,17 +39,17 @@ TEST_P(LossValueTest, MatchesHandComputedFormulas) {
   c.ema_beta = 0.5;
   c.temperature = 0.8;
   auto router = MakeRouter(c);
-  const RoutingOutput out = MustRoute(*router, ToTensor(kLogits), /*training=*/true);
+  const RoutingOutput out = MustRoute(*router, ToTensor(kLossLogits), /*training=*/true);
   // First training step: gbar = (1-beta) mean g, updated before use.
-  const std::vector<double> ema = testing::HandEmaUpdate(std::vector<double>(8, 0.0), kLogits,
+  const std::vector<double> ema = testing::HandEmaUpdate(std::vector<double>(8, 0.0), kLossLogits,
                                                          c.ema_beta);
-  const testing::HandRoute want = testing::HandRouting(c, kLogits, ema);
+  const testing::HandRoute want = testing::HandRouting(c, kLossLogits, ema);
   ASSERT_GT(testing::HandSelectionMargin(c, want), 1e-3);
   // The selection the losses read comes from the oracle, not from the code.
   EXPECT_EQ(ToNested(out.expert_ids), want.ids);
   const double tol = 1e-9;  // the EMA buffer is stored in fp32
   const Matrix weights = ToNested<double>(out.weights);
-  for (size_t t = 0; t < kLogits.size(); ++t) {
+  for (size_t t = 0; t < kLossLogits.size(); ++t) {
     for (size_t j = 0; j < want.weights[t].size(); ++j) {
       EXPECT_NEAR(weights[t][j], want.weights[t][j], 1e-8) << "token " << t << " slot " << j;
     }
@@ -201,7 +198,7 @@ TEST_P(LossGradientTest, HandGradientIsTheDerivativeOfTheHandObjective) {
   c.lambda_intra = 0.7;
   c.lambda_inter = 0.9;
   c.z_coef = 0.2;
-  const Matrix g(kLogits.begin(), kLogits.begin() + 5);
+  const Matrix g(kLossLogits.begin(), kLossLogits.begin() + 5);
   const std::vector<double> ema = {0.4, -1.0, 0.3, 0.8, -0.2, 0.6, -0.7, 0.1};
   const std::vector<double> bias = {0.01, -0.02, 0.03, 0.0, -0.01, 0.02, 0.0, 0.01};
   const std::vector<double> scale = {0.5, 1.5, 2.0, 0.25, 1.0, 0.75, 1.25, 3.0};

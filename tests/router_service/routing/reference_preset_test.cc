@@ -88,7 +88,7 @@ TEST(ReferencePresetTest, RouterUsesTheReleasedCapacity) {
   EXPECT_EQ(MustRoute(*MakeRouter(vanilla), five, false).stats.capacity, 6);
 }
 
-const Matrix kLogits = {{0.9, -0.3, 0.2, 1.4, -1.0, 0.5, 0.1, -0.2},
+const Matrix kPresetLogits = {{0.9, -0.3, 0.2, 1.4, -1.0, 0.5, 0.1, -0.2},
                         {-0.4, 1.1, 0.7, 0.0, 0.3, -0.8, 1.6, 0.2},
                         {0.2, 0.4, -1.2, 0.6, 1.3, 0.9, -0.5, 0.0}};
 
@@ -109,20 +109,20 @@ TEST(ReferencePresetTest, ZLossOnTheMethodsWhoseReleasedConfigsSetIt) {
   for (const RoutingMethod method :
        {RoutingMethod::kVanilla, RoutingMethod::kMoge, RoutingMethod::kHiMoe}) {
     RoutingConfig c = Reference(method, 8, 4, 1);
-    const RoutingOutput out = MustRoute(*MakeRouter(c), ToTensor(kLogits), false);
-    EXPECT_NEAR(out.losses.z.item<double>(), HandZLoss(kLogits, 0.001), 1e-12)
+    const RoutingOutput out = MustRoute(*MakeRouter(c), ToTensor(kPresetLogits), false);
+    EXPECT_NEAR(out.losses.z.item<double>(), HandZLoss(kPresetLogits, 0.001), 1e-12)
         << RoutingMethodName(method);
     c.released_z_loss = false;
-    EXPECT_EQ(MustRoute(*MakeRouter(c), ToTensor(kLogits), false).losses.z.item<double>(), 0.0)
+    EXPECT_EQ(MustRoute(*MakeRouter(c), ToTensor(kPresetLogits), false).losses.z.item<double>(), 0.0)
         << RoutingMethodName(method);
   }
   const RoutingConfig loss_free = Reference(RoutingMethod::kLossFree, 8, 4, 1);
   EXPECT_EQ(
-      MustRoute(*MakeRouter(loss_free), ToTensor(kLogits), false).losses.z.item<double>(), 0.0);
+      MustRoute(*MakeRouter(loss_free), ToTensor(kPresetLogits), false).losses.z.item<double>(), 0.0);
   RoutingConfig st_moe = Reference(RoutingMethod::kStMoe, 8, 4, 1);
   st_moe.released_z_loss = false;
-  EXPECT_NEAR(MustRoute(*MakeRouter(st_moe), ToTensor(kLogits), false).losses.z.item<double>(),
-              HandZLoss(kLogits, 0.001), 1e-12);
+  EXPECT_NEAR(MustRoute(*MakeRouter(st_moe), ToTensor(kPresetLogits), false).losses.z.item<double>(),
+              HandZLoss(kPresetLogits, 0.001), 1e-12);
 }
 
 TEST(ReferencePresetTest, RouterScaleMultipliesRenormalizedWeightsAndLearns) {
@@ -137,12 +137,12 @@ TEST(ReferencePresetTest, RouterScaleMultipliesRenormalizedWeightsAndLearns) {
     at::NoGradGuard no_grad;
     router->router_scale().copy_(ToTensor({scale}));
   }
-  const RoutingOutput out = MustRoute(*router, ToTensor(kLogits), true);
+  const RoutingOutput out = MustRoute(*router, ToTensor(kPresetLogits), true);
   const auto ids = ToNested(out.expert_ids);
   const auto w = ToNested<double>(out.weights);
   std::vector<double> grad(8, 0.0);  // d(sum of weights)/d scale_i
-  for (size_t t = 0; t < kLogits.size(); ++t) {
-    const std::vector<double> p = Softmax(kLogits[t]);
+  for (size_t t = 0; t < kPresetLogits.size(); ++t) {
+    const std::vector<double> p = Softmax(kPresetLogits[t]);
     std::vector<int> want_ids;
     double mass = 0;
     for (int g = 0; g < 4; ++g) {
@@ -166,9 +166,9 @@ TEST(ReferencePresetTest, RouterScaleMultipliesRenormalizedWeightsAndLearns) {
 TEST(ReferencePresetTest, VanillaLoadLossUsesSelectedWeightsAndAssignmentFractions) {
   // vanilla N=8, M=2, k=2 -> K=4 picks over all 8.
   const RoutingConfig c = Reference(RoutingMethod::kVanilla, 8, 2, 2);
-  const RoutingOutput out = MustRoute(*MakeRouter(c), ToTensor(kLogits), false);
+  const RoutingOutput out = MustRoute(*MakeRouter(c), ToTensor(kPresetLogits), false);
   std::vector<double> counts(8, 0.0), weight_sum(8, 0.0);
-  for (const auto& row : kLogits) {
+  for (const auto& row : kPresetLogits) {
     const std::vector<double> p = Softmax(row);
     const std::vector<int> top = TopK(p, 4);
     double mass = 0;
@@ -178,7 +178,7 @@ TEST(ReferencePresetTest, VanillaLoadLossUsesSelectedWeightsAndAssignmentFractio
       weight_sum[i] += p[i] / mass;
     }
   }
-  const double T = kLogits.size(), K = 4;
+  const double T = kPresetLogits.size(), K = 4;
   double want = 0;
   for (int i = 0; i < 8; ++i) want += (counts[i] / (T * K)) * (weight_sum[i] / T);
   want *= 0.01 * 8;
@@ -187,15 +187,15 @@ TEST(ReferencePresetTest, VanillaLoadLossUsesSelectedWeightsAndAssignmentFractio
 
 TEST(ReferencePresetTest, StMoeLoadLossCountsTopOneChoicesOnly) {
   RoutingConfig c = Reference(RoutingMethod::kStMoe, 8, 2, 1);  // K = 2
-  const RoutingOutput out = MustRoute(*MakeRouter(c), ToTensor(kLogits), false);
+  const RoutingOutput out = MustRoute(*MakeRouter(c), ToTensor(kPresetLogits), false);
   std::vector<double> top1(8, 0.0), p_mean(8, 0.0);
-  for (const auto& row : kLogits) {
+  for (const auto& row : kPresetLogits) {
     const std::vector<double> p = Softmax(row);
     top1[TopK(p, 1)[0]] += 1;
-    for (int i = 0; i < 8; ++i) p_mean[i] += p[i] / kLogits.size();
+    for (int i = 0; i < 8; ++i) p_mean[i] += p[i] / kPresetLogits.size();
   }
   double want = 0;
-  for (int i = 0; i < 8; ++i) want += top1[i] / kLogits.size() * p_mean[i];
+  for (int i = 0; i < 8; ++i) want += top1[i] / kPresetLogits.size() * p_mean[i];
   want *= 0.01 * 8;
   EXPECT_NEAR(out.losses.load.item<double>(), want, 1e-12);
 }

@@ -20,6 +20,13 @@
 
 namespace himoe::router::testing {
 
+// A parameterized test's (method, preset) and its readable name.
+using MethodPreset = std::tuple<RoutingMethod, const char*>;
+
+inline std::string MethodPresetName(const ::testing::TestParamInfo<MethodPreset>& info) {
+  return std::string(RoutingMethodName(std::get<0>(info.param))) + "_" + std::get<1>(info.param);
+}
+
 using Matrix = std::vector<std::vector<double>>;
 
 // Plain-double softmax: the hand-computed oracle.

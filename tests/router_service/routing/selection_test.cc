@@ -20,7 +20,7 @@ using testing::ToNested;
 using testing::ToTensor;
 
 // N=4 experts in M=2 groups ({0,1}, {2,3}), k=1 per group, K=2.
-const Matrix kLogits = {{2.0, 1.0, 0.5, 0.0}, {0.0, 3.0, 1.0, 2.0}};
+const Matrix kSelectionLogits = {{2.0, 1.0, 0.5, 0.0}, {0.0, 3.0, 1.0, 2.0}};
 
 void ExpectWeights(const RoutingOutput& out, const Matrix& probs,
                    const std::vector<std::vector<int64_t>>& ids, bool renormalize) {
@@ -47,9 +47,9 @@ TEST_P(HandSelectionTest, MatchesHandComputedIdsAndWeights) {
     RoutingConfig config = Config(GetParam().method, 4, 2, 1);
     config.renormalize = renormalize;
     auto router = MakeRouter(config);
-    const RoutingOutput out = MustRoute(*router, ToTensor(kLogits), /*training=*/false);
+    const RoutingOutput out = MustRoute(*router, ToTensor(kSelectionLogits), /*training=*/false);
     EXPECT_EQ(ToNested(out.expert_ids), GetParam().ids);
-    ExpectWeights(out, {Softmax(kLogits[0]), Softmax(kLogits[1])}, GetParam().ids,
+    ExpectWeights(out, {Softmax(kSelectionLogits[0]), Softmax(kSelectionLogits[1])}, GetParam().ids,
                   renormalize);
   }
 }
@@ -71,9 +71,9 @@ TEST(SelectionTest, HiMoeWeightsUseTemperature) {
   config.temperature = 2.0;
   auto router = MakeRouter(config);
   // Eval mode with gbar = 0: pi = softmax(g / T).
-  const RoutingOutput out = MustRoute(*router, ToTensor(kLogits), false);
+  const RoutingOutput out = MustRoute(*router, ToTensor(kSelectionLogits), false);
   Matrix pi;
-  for (const auto& row : kLogits) {
+  for (const auto& row : kSelectionLogits) {
     std::vector<double> scaled;
     for (double v : row) scaled.push_back(v / 2.0);
     pi.push_back(Softmax(scaled));
@@ -81,10 +81,10 @@ TEST(SelectionTest, HiMoeWeightsUseTemperature) {
   ExpectWeights(out, pi, {{0, 2}, {1, 3}}, false);
 }
 
-// Corrected scores (g - tau*gbar)/T of kLogits, by hand, for a given gbar.
+// Corrected scores (g - tau*gbar)/T of kSelectionLogits, by hand, for a given gbar.
 Matrix Corrected(const std::vector<double>& ema, double tau) {
   Matrix out;
-  for (const auto& row : kLogits) {
+  for (const auto& row : kSelectionLogits) {
     std::vector<double> z;
     for (size_t i = 0; i < row.size(); ++i) z.push_back(row[i] - tau * ema[i]);
     out.push_back(z);
@@ -106,7 +106,7 @@ TEST(SelectionTest, HiMoeSelectsOnPiWithANonZeroEma) {
     config.renormalize = renormalize;
     auto router = MakeRouter(config);
     router->logit_ema().copy_(at::tensor({2.0, 0.0, 0.0, 1.5}));
-    const RoutingOutput out = MustRoute(*router, ToTensor(kLogits), /*training=*/false);
+    const RoutingOutput out = MustRoute(*router, ToTensor(kSelectionLogits), /*training=*/false);
     EXPECT_EQ(ToNested(out.expert_ids), on_pi);
     const Matrix z = Corrected(ema, 1.0);
     ExpectWeights(out, {Softmax(z[0]), Softmax(z[1])}, on_pi, renormalize);
@@ -115,9 +115,9 @@ TEST(SelectionTest, HiMoeSelectsOnPiWithANonZeroEma) {
   // moge ignores the EMA: it selects and weighs on p.
   auto moge = MakeRouter(Config(RoutingMethod::kMoge, 4, 2, 1));
   moge->logit_ema().copy_(at::tensor({2.0, 0.0, 0.0, 1.5}));
-  const RoutingOutput out = MustRoute(*moge, ToTensor(kLogits), false);
+  const RoutingOutput out = MustRoute(*moge, ToTensor(kSelectionLogits), false);
   EXPECT_EQ(ToNested(out.expert_ids), on_p);
-  ExpectWeights(out, {Softmax(kLogits[0]), Softmax(kLogits[1])}, on_p, false);
+  ExpectWeights(out, {Softmax(kSelectionLogits[0]), Softmax(kSelectionLogits[1])}, on_p, false);
 }
 
 TEST(SelectionTest, HiMoeTrainingSelectsOnPiOfTheUpdatedEma) {
@@ -132,7 +132,7 @@ TEST(SelectionTest, HiMoeTrainingSelectsOnPiOfTheUpdatedEma) {
   config.ema_beta = 0.5;
   auto router = MakeRouter(config);
   router->logit_ema().copy_(at::tensor({-2.0, 2.0, -2.0, 1.0}));
-  const RoutingOutput out = MustRoute(*router, ToTensor(kLogits), /*training=*/true);
+  const RoutingOutput out = MustRoute(*router, ToTensor(kSelectionLogits), /*training=*/true);
   const std::vector<std::vector<int64_t>> ids = {{0, 2}, {1, 2}};
   EXPECT_EQ(ToNested(out.expert_ids), ids);
   const std::vector<double> ema1 = {-0.5, 2.0, -0.625, 1.0};
@@ -145,11 +145,11 @@ TEST(SelectionTest, HiMoeTrainingSelectsOnPiOfTheUpdatedEma) {
 TEST(SelectionTest, LossFreeSelectsOnBiasedScoresButWeighsByP) {
   auto router = MakeRouter(Config(RoutingMethod::kLossFree, 4, 2, 1));
   router->loss_free_bias().copy_(at::tensor({0.0, 0.0, 0.0, 1.0}));
-  const RoutingOutput out = MustRoute(*router, ToTensor(kLogits), false);
+  const RoutingOutput out = MustRoute(*router, ToTensor(kSelectionLogits), false);
   // p + b puts expert 3 first for both tokens; the runner-up is the top p.
   const std::vector<std::vector<int64_t>> ids = {{3, 0}, {3, 1}};
   EXPECT_EQ(ToNested(out.expert_ids), ids);
-  ExpectWeights(out, {Softmax(kLogits[0]), Softmax(kLogits[1])}, ids, false);
+  ExpectWeights(out, {Softmax(kSelectionLogits[0]), Softmax(kSelectionLogits[1])}, ids, false);
 }
 
 TEST(SelectionTest, GroupedPicksExactlyKPerGroupFlatMayNot) {

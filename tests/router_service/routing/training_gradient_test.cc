@@ -30,11 +30,8 @@ using testing::ToMatrix;
 using testing::ToTensor;
 using testing::ToVector;
 
-using MethodPreset = std::tuple<RoutingMethod, const char*>;
-
-std::string MethodPresetName(const ::testing::TestParamInfo<MethodPreset>& info) {
-  return std::string(RoutingMethodName(std::get<0>(info.param))) + "_" + std::get<1>(info.param);
-}
+using testing::MethodPreset;
+using testing::MethodPresetName;
 
 // Large coefficients so that every term moves the gradient visibly, and a
 // strong correction with a fast EMA so that the update-before-use matters.
