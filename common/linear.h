@@ -9,7 +9,7 @@ namespace himoe {
 
 // Products of fewer rows than this run through the small-rows product (or a
 // GEMV per row) on the CPU; 0 (the default) = never. The compute set-up sets
-// it from a measurement (ChooseSmallProducts in common/compute_setup.cc).
+// it from a measurement (ChooseSmallProducts, common/small_product_choice.h).
 int64_t RowwiseLinearRows();
 void SetRowwiseLinearRows(int64_t rows);
 
