@@ -51,8 +51,11 @@ struct BlisThreadChoice {
 // BLIS's pthreads build starts threads on every call, which can cost more
 // than it gains on the small products of a training step: keeps `threads`
 // BLAS threads only where they beat one thread on such a product, else sets
-// BLIS_NUM_THREADS=1. (The OpenMP build keeps its threads: its children
-// could not be forked anyway, see RunInChild.)
+// BLIS_NUM_THREADS=1. (The OpenMP build keeps its threads, which pay there:
+// see docs/benchmarks.md, Measurements behind choices in the code. Its
+// children could not be forked anyway: OpenMP hangs in a child forked after
+// the parent used it. The children here run LibTorch on 1 thread, so no
+// OpenMP either.)
 BlisThreadChoice SelectBlisThreads(int threads);
 
 // The BLAS threads kept: `threads`, or 1 where one thread was faster.
