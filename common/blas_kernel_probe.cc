@@ -99,7 +99,6 @@ BlisThreadChoice SelectBlisThreads(int threads) {
   BlisThreadChoice choice;
   choice.blas_threads = threads;
   if (threads <= 1) return choice;
-  // The children run LibTorch on 1 thread, so no OpenMP either.
   const auto rate = [&](int blas_threads) {
     std::string error;
     const char* kernels = std::getenv(kBlisArchEnv);

@@ -1,8 +1,11 @@
 #include "common/gemm_rate.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <exception>
 #include <string>
 #include <vector>
