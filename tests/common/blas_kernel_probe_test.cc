@@ -94,7 +94,9 @@ TEST(BlasKernelProbeTest, ProbedKernelsAreNotGeneric) {
   unsetenv("BLIS_ARCH_TYPE");
   const BlisKernelChoice choice = SelectBlisKernels(/*probe=*/true, /*cache_file=*/"");
   ASSERT_THAT(choice.source, ::testing::AnyOf("library", "probed"));
-  if (CandidateBlisKernels().size() > 1) EXPECT_NE(choice.kernels, "generic");
+  if (CandidateBlisKernels().size() > 1) {
+    EXPECT_NE(choice.kernels, "generic");
+  }
   for (const KernelProbe& p : choice.probes) {
     EXPECT_TRUE(p.error.empty() ? p.gflops > 0 : p.gflops == 0) << p.name << ": " << p.error;
   }
