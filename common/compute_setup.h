@@ -1,12 +1,25 @@
 #ifndef HIMOE_COMMON_COMPUTE_SETUP_H_
 #define HIMOE_COMMON_COMPUTE_SETUP_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/blas_kernel_probe.h"
+#include "common/blas_library.h"
+#include "common/blis_kernel_cache.h"
+#include "common/cpu_vector_units.h"
 
 namespace himoe {
+
+// The compute set-up composes one unit per job: the loaded BLAS
+// (blas_library), the CPU's vector units (cpu_vector_units), BLIS's kernels
+// and threads timed in probe processes (blas_kernel_probe, probe_process),
+// the kernel cache (blis_kernel_cache), the heap (malloc_tuning), the GEMM
+// rate (gemm_rate) and the path of few-row products (small_product_choice).
+// The units' headers come with this one, for what the binaries call
+// (DefaultKernelCacheFile, ...).
 
 // How a process sets up its CPU math: threads, the BLAS kernels, and the GEMM
 // rate that utilisation (MFU) is measured against.
@@ -28,7 +41,7 @@ struct ComputeOptions {
   // cores to its expert processes measures against all of them.
   int gemm_threads = 0;
   // Have glibc keep freed memory for reuse rather than unmapping and
-  // trimming it (see KeepHeap in compute_setup.cc).
+  // trimming it (KeepHeap, common/malloc_tuning.h).
   bool keep_heap = true;
   // Independent products (a group's experts) side by side, each on one
   // thread, rather than one after another, each split across the threads
@@ -37,13 +50,6 @@ struct ComputeOptions {
   // The run's products take bfloat16 operands (MatmulBf16Out): the GEMM rate
   // is measured on those, and the fp32 vector peak is not compared.
   bool bf16_products = false;
-};
-
-// One kernel set timed by the probe.
-struct KernelProbe {
-  std::string name;
-  double gflops = 0;  // one thread, on a [1024,256]x[256,512] product
-  std::string error;  // empty when the kernels ran and matched the reference
 };
 
 struct ComputeSetup {
@@ -84,29 +90,9 @@ absl::StatusOr<ComputeSetup> ConfigureCompute(const ComputeOptions& options);
 // Summary() at INFO, each warning at WARNING.
 void LogComputeSetup(const ComputeSetup& setup);
 
-// The kernel cache of this user: $HIMOE_CACHE_DIR/blis-kernels (an empty
-// HIMOE_CACHE_DIR: none), else $XDG_CACHE_HOME/himoe/..., else
-// $HOME/.cache/himoe/...
-std::string DefaultKernelCacheFile();
-
 // The serving binaries' set-up: ConfigureCompute with the default kernel
 // cache and without the GEMM-rate probe, logged.
 absl::Status ConfigureServingCompute(int threads, bool probe_kernels);
-
-// The BLAS that runs LibTorch's CPU GEMMs, for the log. `loaded_path`: the
-// libblas.so / libopenblas loaded in the process (resolved), empty if none;
-// then the BLAS is inside LibTorch (pip's wheels link MKL statically), named
-// from `has_mkl` (at::hasMKL()) or else `torch_config`'s BLAS_INFO
-// (at::show_config()).
-std::string BlasDisplayName(const std::string& loaded_path, bool has_mkl,
-                            const std::string& torch_config);
-
-// Kernel sets this CPU can run, fastest family first (BLIS names).
-std::vector<std::string> CandidateBlisKernels();
-
-// threads x GHz x fp32 lanes x 2 (FMA) x 2 (FMA units), from CPU flags and
-// /proc/cpuinfo; 0 when the clock is unknown.
-double VectorPeakGflops(int threads);
 
 }  // namespace himoe
 

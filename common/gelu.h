@@ -12,10 +12,11 @@ namespace himoe {
 // the formula of ATen's vectorised erf) with exp(-x^2/2) computed once for
 // both Phi and phi; within 1e-6 of the double-precision GELU, as at::gelu is,
 // and a value's result does not depend on its neighbours or the thread count.
-// LibTorch's own GELU costs 3.6 ns per value on its native kernel here and
-// goes through oneDNN, which JIT-compiles a kernel per shape, where this loop
-// takes about 0.4. Other tensors: at::gelu_out / at::gelu_backward_out on
-// fixed tiles of rows, so oneDNN meets at most a few shapes.
+// LibTorch's own GELU is several times slower per value on its native kernel
+// and goes through oneDNN, which JIT-compiles a kernel per shape (see
+// docs/benchmarks.md, Measurements behind choices in the code). Other
+// tensors: at::gelu_out / at::gelu_backward_out on fixed tiles of rows, so
+// oneDNN meets at most a few shapes.
 void GeluOut(at::Tensor& out, const at::Tensor& in);
 void GeluBackwardOut(at::Tensor& out, const at::Tensor& grad, const at::Tensor& in);
 

@@ -52,7 +52,7 @@ absl::StatusOr<std::unique_ptr<ExpertGroupClient>> ExpertGroupClient::Create(
     args.SetMaxSendMessageSize(options.max_message_bytes);
     // Reconnect quickly once a group comes back. (Not
     // GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: it is gRPC's minimum connect timeout,
-    // 20 s by default; at 100 ms a handshake on a loaded machine missed it.)
+    // 20 s by default; at 100 ms a handshake on a loaded machine misses it.)
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     auto channel =

@@ -147,8 +147,9 @@ thread_local DeferredWeightGrads* tls_weight_grad_sink = nullptr;
 
 // Every expert's FFN (ExpertFfn) on rows `x` sorted by expert, the rows
 // split evenly across the threads (PlanRowChunks), each product on one
-// thread (BLIS splitting one [~500,128]x[128,512] product across 2 threads
-// ran about 260 GFLOP/s where one thread ran 217). Autograd sees one node
+// thread (BLIS gains little splitting one [~500,128]x[128,512] product
+// across threads: see docs/benchmarks.md, Measurements behind choices in the
+// code). Autograd sees one node
 // per group and layer, whose backward is split the same way; an expert
 // whose rows two threads share sums its weight gradients after the join.
 // The worker threads take the caller's thread-local state (grad mode,

@@ -73,14 +73,13 @@ if [[ "${mode}" == serve ]]; then
   for m in 1 2 4 8; do
     log="$(mktemp)"
     # Local and remote repetitions in random order, medians of 11: the VM's
-    # speed drifts over minutes (LocalMoE at M 8 took 139-178 ms a forward
-    # within 10 minutes on 2026-11-27), which one block after the other put
-    # into the ratio; and a ratio of medians of 5 moved by 1.4-5.3% (its standard
-    # deviation, resampling 11 repetitions, 2026-11-29), so the largest of
-    # four such ratios over the smallest passed 1.15 by chance alone.
+    # speed drifts over minutes, which one block after the other put into the
+    # ratio; and a ratio of medians of 5 moves enough that the largest of four
+    # such ratios over the smallest passes the 1.15 target by chance alone.
     # OMP_WAIT_POLICY=PASSIVE: this process's idle OpenMP threads spin on
-    # both cores otherwise, and at M 8 the experts' first connections timed
-    # out behind them (2 runs in 3 on 2026-11-25).
+    # both cores otherwise, and at M 8 the experts' first connections time
+    # out behind them. (See docs/benchmarks.md, Measurements behind choices in
+    # the code.)
     for try in 1 2; do
       if OMP_WAIT_POLICY=PASSIVE "${BUILD}/tests/bench/himoe-bench" --num_groups="${m}" --num_experts=$((2 * m)) \
         --top_k=1 --tokens=4096 --d_model=256 --d_ff=1024 \

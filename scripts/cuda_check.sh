@@ -213,10 +213,10 @@ EOF
 # set-up command's Debian machine (the system BLAS, /usr/bin/python3 with
 # grpcio, fortunes, prometheus, gnuplot) fail elsewhere; the summary names
 # every failure. A test's LibTorch takes every core unless told, and its
-# OpenMP threads spin while they wait: with 16 tests at once, of 16 threads
-# each, 21 trainer tests ran past 60 s on the H100 machine (2026-11-28) that
-# take 0.1-0.2 s alone. Here, 16 copies of one of them at once on 2 cores:
-# 32 s each with 2 spinning threads, 2 s with OMP_WAIT_POLICY=PASSIVE.
+# OpenMP threads spin while they wait: with many tests at once, each on every
+# core, tests that take well under a second alone run past their time-outs.
+# Hence 4 threads a test, passive waiting, and a quarter of the cores' tests
+# at once (see docs/benchmarks.md, Measurements behind choices in the code).
 suite() {
   deps_env
   say "test suite"

@@ -60,8 +60,8 @@ def main():
     ap.add_argument("--new_tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5,
                     help="1- and N-stream runs (and KV / recompute pairs), alternating; the "
-                         "tables give each rep and the median ratio (a rep's 8 / 1 moved "
-                         "3.9-5.1 within one run on 2026-11-29)")
+                         "tables give each rep and the median ratio (a single rep's ratio "
+                         "moves widely within one run: docs/benchmarks.md)")
     ap.add_argument("--train_steps", type=int, default=20)
     ap.add_argument("--block_size", type=int, default=256)
     ap.add_argument("--kv_prompt", type=int, default=192)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The routing-method study (issue #10): every routing method, the Hi-MoE
+# The routing-method study: every routing method, the Hi-MoE
 # presets, the balance controller and the ablation from MoGE, trained with
 # in-process experts at one fixed config and 3 seeds, then summarised by
 # scripts/repro_report.py into <out>/results.md, results.csv, runs.csv and

@@ -9,7 +9,7 @@
 # Three tests do not apply to a sanitized build and are left out:
 #   Cli.MetricsBesideBigTls: preloads a library, and ASan's runtime must come
 #     first in the list of loaded libraries;
-#   ComputeSetupTest.TheHeapIsKeptForReuse: ASan's allocator refuses glibc's
+#   MallocTuningTest.TheHeapIsKeptForReuse: ASan's allocator refuses glibc's
 #     mallopt (the set-up then reports "mallopt refused", as it should);
 #   Kubernetes.Manifests: the sanitized binaries need libasan and libubsan,
 #     which the Docker image's runtime stage rightly does not install.
@@ -25,5 +25,5 @@ echo "[sanitize] built in $((SECONDS - start)) s"
 start=${SECONDS}
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir "${BUILD}" --output-on-failure -j2 --timeout 900 \
-  -E '^(Cli\.MetricsBesideBigTls|ComputeSetupTest\.TheHeapIsKeptForReuse|Kubernetes\.Manifests)$'
+  -E '^(Cli\.MetricsBesideBigTls|MallocTuningTest\.TheHeapIsKeptForReuse|Kubernetes\.Manifests)$'
 echo "[sanitize] the suite ran clean in $((SECONDS - start)) s"

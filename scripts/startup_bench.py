@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""Start-up time of the serving processes (issue: "start-up is most of the
-recovery time after a crash"). Times, from spawn to the port file (the moment
+"""Start-up time of the serving processes (start-up is most of the recovery
+time after a crash). Times, from spawn to the port file (the moment
 the process serves), --reps times each:
 
   * one himoe-expert with an empty BLIS kernel cache (it probes the kernel

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The real binaries open their /metrics endpoint beside libraries whose static
 # TLS exceeds civetweb's 100 KiB thread stacks (LD_PRELOAD of a library holding
-# 256 KiB of initial-exec TLS, as a CUDA LibTorch's libraries hold 244 KiB):
-# each must export the endpoint's pthread_attr_setstacksize. Before that, every
-# binary's endpoint failed on an H100 machine ("null context when constructing
+# 256 KiB of initial-exec TLS, more than a CUDA LibTorch's libraries hold: see
+# docs/benchmarks.md, Measurements behind choices in the code): each must
+# export the endpoint's pthread_attr_setstacksize. Without it, every binary's
+# endpoint fails beside a CUDA LibTorch ("null context when constructing
 # CivetServer").
 #   metrics_beside_big_tls_test.sh HIMOE_EXPERT HIMOE_ROUTER HIMOE_TRAINER BIG_TLS_LIBRARY
 set -uo pipefail

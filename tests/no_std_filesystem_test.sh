@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The binaries call no std::filesystem function of a shared library. pip's
 # LibTorch (2.5 and later) exports a std::filesystem of its own; linked before
-# libstdc++, it takes such calls and they crash (pytorch/pytorch#133437; seen
-# on an H100 machine with torch 2.11). common/file_util's POSIX calls instead.
+# libstdc++, it takes such calls and they crash (pytorch/pytorch#133437).
+# common/file_util's POSIX calls instead.
 #   no_std_filesystem_test.sh BINARY...
 set -uo pipefail
 failures=0

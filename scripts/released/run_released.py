@@ -150,7 +150,8 @@ def main():
 
     # glibc: their experts run on [n_exp * capacity, d_ff] buffers of exactly 32 MiB here
     # (8 x 2048 x 512 fp32), at the largest mmap threshold glibc accepts, so each step
-    # mmaps and page-faults them afresh (sys time ~1/3, 2.5-4x slower steps). Serve them
+    # mmaps and page-faults them afresh, several times slower a step (see docs/benchmarks.md,
+    # Measurements behind choices in the code). Serve them
     # from the heap instead: M_MMAP_MAX = 0, unless the caller set MALLOC_MMAP_MAX_.
     if 'MALLOC_MMAP_MAX_' not in os.environ:
         try:

@@ -1,31 +1,27 @@
-// Each test runs in its own process (ctest), so BLIS starts fresh in each:
-// it reads BLIS_ARCH_TYPE and BLIS_NUM_THREADS once, on its first product.
+// The set-up composed from its units (each tested in its own file). Each test
+// runs in its own process (ctest), so BLIS starts fresh in each: it reads
+// BLIS_ARCH_TYPE and BLIS_NUM_THREADS once, on its first product.
 
 #include "common/compute_setup.h"
 
-#include <malloc.h>
 #include <stdlib.h>
-#include <unistd.h>
 
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
+#include <cmath>
+#include <iostream>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "common/linear.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/temp_dir.h"
 
 namespace himoe {
 namespace {
 
 using ::testing::Contains;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -49,45 +45,6 @@ void ExpectMatmulMatchesHandSums() {
 }
 
 bool IsBlis(const ComputeSetup& setup) { return setup.blas.rfind("BLIS", 0) == 0; }
-
-TEST(ComputeSetupTest, CandidatesFollowTheCpuFlags) {
-  const std::vector<std::string> names = CandidateBlisKernels();
-  ASSERT_FALSE(names.empty());
-  EXPECT_EQ(names.back(), "generic");
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  EXPECT_EQ(avx512, std::find(names.begin(), names.end(), "skx") != names.end());
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  EXPECT_EQ(avx2, std::find(names.begin(), names.end(), "haswell") != names.end());
-}
-
-// The names a user reads in the log, for the libraries LibTorch may run its
-// GEMMs on: Debian's (loaded), pip's (linked into LibTorch, as on the H100
-// of 2026-11-27, which logged "no BLAS").
-TEST(ComputeSetupTest, TheBlasIsNamedLoadedOrInsideLibTorch) {
-  EXPECT_EQ(BlasDisplayName("/usr/lib/x86_64-linux-gnu/blis-openmp/libblas.so.3", false, ""),
-            "BLIS");
-  EXPECT_EQ(BlasDisplayName("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3", false, ""),
-            "OpenBLAS");
-  EXPECT_EQ(BlasDisplayName("/usr/lib/x86_64-linux-gnu/blas/libblas.so.3", false, ""),
-            "reference BLAS");
-  EXPECT_EQ(BlasDisplayName("/opt/lib/libblas.so.3", false, ""), "/opt/lib/libblas.so.3");
-  EXPECT_EQ(BlasDisplayName("", true, "  - Build settings: BLAS_INFO=mkl, BUILD_TYPE=Release"),
-            "MKL (inside LibTorch)");
-  EXPECT_EQ(BlasDisplayName("", false, "  - Build settings: BLAS_INFO=open, BUILD_TYPE=Release"),
-            "open (inside LibTorch)");
-  // Debian's LibTorch: BLAS_INFO=generic is the libblas.so.3 interface.
-  EXPECT_EQ(BlasDisplayName("", false, "  - Build settings: BLAS_INFO=generic, BUILD_TYPE=Release"),
-            "no BLAS library (LibTorch's own GEMM)");
-  EXPECT_EQ(BlasDisplayName("", false, ""), "no BLAS library (LibTorch's own GEMM)");
-}
-
-TEST(ComputeSetupTest, VectorPeakScalesWithThreads) {
-  const double one = VectorPeakGflops(1);
-  ASSERT_GT(one, 0) << "no 'cpu MHz' in /proc/cpuinfo";
-  EXPECT_DOUBLE_EQ(VectorPeakGflops(3), 3 * one);
-}
 
 // The default set-up: on a CPU with vector units BLIS does not run its
 // 'generic' kernels, every probed kernel set that ran is reported with a
@@ -124,65 +81,6 @@ TEST(ComputeSetupTest, ProbedKernelsAreNotGenericAndProductsStayCorrect) {
   if (!pthreads) {
     EXPECT_EQ(setup->blas_threads, 2);
   }
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-// The probe's choice is cached for this CPU and BLIS: the next set-up (the
-// next start of a service) takes it without probing. An entry of another CPU
-// or BLIS, or naming kernels this BLIS lacks, is not trusted.
-TEST(ComputeSetupTest, TheKernelChoiceIsCachedForThisCpuAndBlis) {
-  unsetenv("BLIS_ARCH_TYPE");
-  const test_util::TempDir temp("himoe_kernel_cache");
-  const std::string& dir = temp.path();
-  ComputeOptions options;
-  options.threads = 1;
-  options.gemm_gflops = -1;
-  options.kernel_cache_file = dir + "/sub/blis-kernels";
-  auto first = ConfigureCompute(options);
-  ASSERT_TRUE(first.ok()) << first.status();
-  if (!IsBlis(*first)) GTEST_SKIP() << "the system BLAS is " << first->blas << ", not BLIS";
-  if (first->kernels_source == "library") {
-    GTEST_SKIP() << "BLIS knows this CPU (kernels '" << first->kernels
-                 << "'): nothing is probed, so nothing is cached";
-  }
-  ASSERT_EQ(first->kernels_source, "probed");
-  const std::vector<std::string> lines =
-      absl::StrSplit(ReadFile(options.kernel_cache_file), '\n', absl::SkipEmpty());
-  ASSERT_EQ(lines.size(), 2u);
-  const std::string key = lines[0];
-  EXPECT_THAT(key, HasSubstr("model name="));
-  EXPECT_THAT(key, HasSubstr("| blis OK generic "));
-  EXPECT_EQ(lines[1], first->kernels);
-  const std::string exported = getenv("BLIS_ARCH_TYPE");
-
-  unsetenv("BLIS_ARCH_TYPE");
-  auto cached = ConfigureCompute(options);
-  ASSERT_TRUE(cached.ok()) << cached.status();
-  EXPECT_EQ(cached->kernels_source, "cached");
-  EXPECT_EQ(cached->kernels, first->kernels);
-  EXPECT_TRUE(cached->probes.empty());
-  ASSERT_NE(getenv("BLIS_ARCH_TYPE"), nullptr);
-  EXPECT_EQ(getenv("BLIS_ARCH_TYPE"), exported);
-  EXPECT_THAT(cached->Summary(), HasSubstr("kernels '" + first->kernels + "' (cached)"));
-
-  for (const std::string& stale : {absl::StrCat("cpu another one\n", first->kernels, "\n"),
-                                   absl::StrCat(key, "\nno-such-kernels\n")}) {
-    SCOPED_TRACE(stale);
-    std::ofstream(options.kernel_cache_file, std::ios::trunc) << stale;
-    unsetenv("BLIS_ARCH_TYPE");
-    auto again = ConfigureCompute(options);
-    ASSERT_TRUE(again.ok()) << again.status();
-    EXPECT_EQ(again->kernels_source, "probed");
-    EXPECT_FALSE(again->probes.empty());
-    EXPECT_EQ(ReadFile(options.kernel_cache_file), absl::StrCat(key, "\n", again->kernels, "\n"));
-  }
-  ExpectMatmulMatchesHandSums();
 }
 
 // BLIS_ARCH_TYPE from the environment wins, is named, and 'generic' warns.
@@ -240,24 +138,21 @@ ComputeOptions OneThreadWithoutProbes() {
   return options;
 }
 
-// Freed memory stays in the heap: a block far over glibc's default mmap
-// threshold (128 KiB) comes from the heap, not from a mapping of its own.
-TEST(ComputeSetupTest, TheHeapIsKeptForReuse) {
-  ASSERT_EQ(std::getenv("MALLOC_MMAP_THRESHOLD_"), nullptr);
+// The heap's set-up (KeepHeap, tested in malloc_tuning_test) is logged.
+TEST(ComputeSetupTest, TheHeapSetUpIsLogged) {
   auto setup = ConfigureCompute(OneThreadWithoutProbes());
   ASSERT_TRUE(setup.ok()) << setup.status();
-  EXPECT_EQ(setup->malloc, "heap kept (mmap from 32 MiB, trim above 256 MiB)");
-  EXPECT_THAT(setup->Summary(), HasSubstr("malloc: heap kept"));
-  const size_t mapped_before = mallinfo2().hblks;
-  void* block = std::malloc(8 << 20);
-  ASSERT_NE(block, nullptr);
-  static_cast<volatile char*>(block)[0] = 1;
-  EXPECT_EQ(mallinfo2().hblks, mapped_before);
-  std::free(block);
+  EXPECT_FALSE(setup->malloc.empty());
+  EXPECT_THAT(setup->Summary(), HasSubstr("; malloc: " + setup->malloc));
+  ComputeOptions glibc = OneThreadWithoutProbes();
+  glibc.keep_heap = false;
+  auto kept = ConfigureCompute(glibc);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->malloc, "glibc defaults");
 }
 
-// Small products take the small-rows path exactly when it measured under 2/3 of the
-// 4-row GEMM, and himoe::Linear follows the choice.
+// The few-row product path chosen (small_product_choice) is the set-up's, and
+// logged.
 TEST(ComputeSetupTest, SmallProductsGoRowwiseOnlyWhereMeasuredFaster) {
   auto setup = ConfigureCompute(OneThreadWithoutProbes());
   ASSERT_TRUE(setup.ok()) << setup.status();
@@ -267,6 +162,44 @@ TEST(ComputeSetupTest, SmallProductsGoRowwiseOnlyWhereMeasuredFaster) {
   EXPECT_EQ(setup->rowwise_linear_rows, faster ? kRowwiseLinearRowsWhenFaster : 0);
   EXPECT_EQ(RowwiseLinearRows(), setup->rowwise_linear_rows);
   EXPECT_THAT(setup->Summary(), HasSubstr(faster ? "small-rows under 16 rows" : "(GEMM)"));
+}
+
+// The log line and the warnings, from a set-up given by hand.
+TEST(ComputeSetupTest, TheSummaryNamesEachChoice) {
+  ComputeSetup setup;
+  setup.threads = 2;
+  setup.blas_threads = 1;
+  setup.blas = "BLIS (pthread)";
+  setup.kernels = "skx";
+  setup.kernels_source = "cached";
+  setup.malloc = "heap kept (mmap from 32 MiB, trim above 256 MiB)";
+  setup.blas_thread_gflops = {40, 30};
+  setup.small_gemm_us = 150;
+  setup.small_rows_us = 29;
+  setup.rowwise_linear_rows = kRowwiseLinearRowsWhenFaster;
+  setup.gemm_gflops = 100;
+  setup.gemm_threads = 2;
+  setup.vector_peak_gflops = 500;
+  EXPECT_EQ(setup.Summary(),
+            "compute: 2 threads (BLAS 1), BLIS (pthread), kernels 'skx' (cached); malloc: heap "
+            "kept (mmap from 32 MiB, trim above 256 MiB); experts side by side, a thread each; "
+            "BLAS on 1 / 2 threads: 40.0 / 30.0 GFLOP/s; a 4-row product: GEMM 150 us, "
+            "small-rows 29 us (small-rows under 16 rows); GEMM rate 100.0 GFLOP/s on 2 threads "
+            "(20% of 500, the vector units' peak at the clock /proc/cpuinfo reports; turbo "
+            "clocks exceed it)");
+  EXPECT_THAT(setup.Warnings(), ElementsAre(HasSubstr("BLAS runs on 1 thread: with 2"),
+                                            HasSubstr("GEMM rate 100.0 GFLOP/s is under 25%")));
+
+  ComputeSetup probed;
+  probed.blas = "BLIS (openmp)";
+  probed.kernels = "generic";
+  probed.kernels_source = "library";
+  probed.probes = {KernelProbe{"skx", 0, "killed by signal 4"}, KernelProbe{"generic", 43.21, ""}};
+  EXPECT_THAT(probed.Summary(),
+              HasSubstr("kernels 'generic' (library); probed GFLOP/s per thread: skx failed: "
+                        "killed by signal 4, generic 43.2"));
+  EXPECT_THAT(probed.Summary(), Not(HasSubstr("GEMM rate")));
+  EXPECT_THAT(probed.Warnings(), ElementsAre(HasSubstr("'generic' kernels")));
 }
 
 }  // namespace

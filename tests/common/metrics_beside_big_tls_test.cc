@@ -1,7 +1,8 @@
 // The metrics endpoint in a process whose libraries hold more static TLS than
-// civetweb's 100 KiB thread stacks, as a CUDA LibTorch's do (seen on an H100
-// machine: every binary's endpoint failed with "null context when
-// constructing CivetServer"). This binary links such a library (big_tls).
+// civetweb's 100 KiB thread stacks, as a CUDA LibTorch's do (without the
+// endpoint's pthread_attr_setstacksize, every binary's endpoint fails there
+// with "null context when constructing CivetServer"). This binary links such
+// a library (big_tls).
 
 #include <pthread.h>
 

@@ -58,7 +58,7 @@ JOBS = ("himoe-router", "himoe-expert", "himoe-trainer")
 NUM_LAYERS = 2
 NUM_GROUPS = 4
 D_MODEL = 64
-TRAIN_STEPS = 400  # ~20 s here: tens of scrapes of the trainer
+TRAIN_STEPS = 400  # long enough for tens of scrapes of the trainer
 MIN_TRAINER_SCRAPES = 5
 
 

@@ -285,9 +285,9 @@ class SlowRelay {
   std::thread acceptor_;
 };
 
-// GRPC_ARG_MIN_RECONNECT_BACKOFF_MS is gRPC's minimum connect timeout; the
-// client once set it to 100 ms, and a handshake slower than that (8 expert
-// processes starting on 2 cores, TLS under load) read as "unreachable".
+// GRPC_ARG_MIN_RECONNECT_BACKOFF_MS is gRPC's minimum connect timeout: set
+// to 100 ms, a handshake slower than that (8 expert processes starting on 2
+// cores, TLS under load) would read as "unreachable", so the client leaves it.
 TEST_F(ExpertServiceTest, TheClientWaitsOutASlowHandshake) {
   SlowRelay relay(server_->port(), std::chrono::milliseconds(600));
   ExpertGroupClientOptions options;
