@@ -97,6 +97,49 @@ std::string WeightInitName(v1::WeightInit init) {
   }
 }
 
+absl::StatusOr<v1::ExpertShape> ExpertShapeFromFlags(const ExpertShapeFlags& flags) {
+  v1::ExpertShape shape;
+  shape.set_num_experts(flags.num_experts);
+  shape.set_num_groups(flags.num_groups);
+  shape.set_num_layers(flags.num_layers);
+  shape.set_d_model(flags.d_model);
+  shape.set_d_ff(flags.d_ff);
+  shape.set_seed(flags.seed);
+  // The parsers' messages begin with "dtype: " and "init: ".
+  const auto flag_error = [](absl::string_view prefix, const absl::Status& status) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, status.message()));
+  };
+  const absl::StatusOr<v1::DType> dtype = ParseExpertDtype(flags.dtype);
+  if (!dtype.ok()) return flag_error("--", dtype.status());
+  shape.set_dtype(*dtype);
+  const absl::StatusOr<v1::DType> matmul = ParseExpertDtype(flags.matmul_dtype);
+  if (!matmul.ok()) return flag_error("--matmul_", matmul.status());
+  if (*matmul == v1::DTYPE_BFLOAT16) shape.set_matmul_dtype(*matmul);
+  const absl::StatusOr<v1::WeightInit> init = ParseWeightInit(flags.init);
+  if (!init.ok()) return flag_error("--", init.status());
+  shape.set_init(*init);
+  shape.set_n_layer(flags.n_layer);
+  return shape;
+}
+
+std::vector<std::string> ExpertShapeArgs(const v1::ExpertShape& s) {
+  std::vector<std::string> args = {
+      absl::StrCat("--num_groups=", s.num_groups()),
+      absl::StrCat("--num_experts=", s.num_experts()),
+      absl::StrCat("--num_layers=", s.num_layers()),
+      absl::StrCat("--d_model=", s.d_model()),
+      absl::StrCat("--d_ff=", s.d_ff()),
+      absl::StrCat("--seed=", s.seed()),
+      absl::StrCat("--dtype=", ExpertDtypeName(s.dtype())),
+  };
+  if (s.matmul_dtype() == v1::DTYPE_BFLOAT16) args.push_back("--matmul_dtype=bfloat16");
+  if (s.init() != v1::WEIGHT_INIT_DEFAULT) {
+    args.push_back(absl::StrCat("--init=", WeightInitName(s.init())));
+    args.push_back(absl::StrCat("--n_layer=", s.n_layer()));
+  }
+  return args;
+}
+
 namespace {
 
 std::string FieldValue(const v1::ExpertShape& s, const google::protobuf::FieldDescriptor* f) {

@@ -1,7 +1,9 @@
 #ifndef HIMOE_COMMON_EXPERT_SHAPE_H_
 #define HIMOE_COMMON_EXPERT_SHAPE_H_
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -33,6 +35,31 @@ std::string WeightInitName(v1::WeightInit init);
 // "<where> serves seed 7, dtype bfloat16; the model needs seed 1, dtype float32".
 absl::Status CheckExpertShape(const v1::ExpertShape& expected, const v1::ExpertShape& served,
                               absl::string_view where);
+
+// The himoe-expert flags that carry an ExpertShape, as read from them.
+struct ExpertShapeFlags {
+  int num_experts = 8;
+  int num_groups = 1;
+  int num_layers = 1;
+  int64_t d_model = 64;
+  int64_t d_ff = 256;
+  uint64_t seed = 0;
+  std::string dtype = "float32";
+  std::string matmul_dtype = "float32";
+  std::string init = "default";
+  int n_layer = 0;
+};
+
+// The shape the flags give (not validated); InvalidArgument naming the flag
+// of a dtype or init it does not know ("--matmul_dtype: expected ...").
+absl::StatusOr<v1::ExpertShape> ExpertShapeFromFlags(const ExpertShapeFlags& flags);
+
+// The flags that give himoe-expert `shape`: --num_groups, --num_experts,
+// --num_layers, --d_model, --d_ff, --seed, --dtype, then --matmul_dtype with
+// bf16 products and --init, --n_layer under WEIGHT_INIT_SWITCH.
+// ExpertShapeFromFlags of them gives `shape` back (n_layer only under
+// WEIGHT_INIT_SWITCH).
+std::vector<std::string> ExpertShapeArgs(const v1::ExpertShape& shape);
 
 // "N=8 M=4 layers=2 d_model=64 d_ff=256 seed=0 float32", then " matmul=bfloat16"
 // with bf16 products and " init=switch n_layer=4" under WEIGHT_INIT_SWITCH.

@@ -9,6 +9,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
+#include "common/signals.h"
 
 namespace himoe {
 
@@ -37,6 +38,12 @@ void ParseCommandLine(int argc, char** argv, absl::string_view usage) {
                  argv[0], rest[1]);
     std::exit(2);
   }
+}
+
+void InitProgram(int argc, char** argv, absl::string_view usage, bool watch_children) {
+  BlockStopSignals(watch_children);
+  ParseCommandLine(argc, argv, usage);
+  PrintStackOnCrash();
 }
 
 }  // namespace himoe

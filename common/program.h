@@ -13,6 +13,11 @@ namespace himoe {
 // turns off abseil's mutex deadlock detection (see program.cc).
 void ParseCommandLine(int argc, char** argv, absl::string_view usage);
 
+// The start of every himoe binary's main(): blocks the stop signals before
+// any thread starts (BlockStopSignals(watch_children)), parses the command
+// line, then installs the crash handler (PrintStackOnCrash).
+void InitProgram(int argc, char** argv, absl::string_view usage, bool watch_children = false);
+
 }  // namespace himoe
 
 #endif  // HIMOE_COMMON_PROGRAM_H_

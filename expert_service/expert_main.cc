@@ -1,7 +1,5 @@
 // himoe-expert: serves one expert group (for every MoE layer) over gRPC.
 
-#include <chrono>
-#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -10,14 +8,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/expert_shape.h"
-#include "common/file_util.h"
 #include "common/host_port.h"
 #include "common/metrics_endpoint.h"
 #include "common/process_stats.h"
-#include "common/program.h"
-#include "common/signals.h"
+#include "common/service_main.h"
 #include "common/status_macros.h"
-#include "common/compute_setup.h"
 #include "common/torch_runtime.h"
 #include "expert_service/expert_grpc_service.h"
 #include "expert_service/expert_metrics.h"
@@ -43,24 +38,11 @@ ABSL_FLAG(std::string, init, "default",
           "fresh weights: default (nn.Linear's uniform) or switch (the released code's "
           "truncated normal; needs --n_layer)");
 ABSL_FLAG(int32_t, n_layer, 0, "the transformer's depth: W2's init std under --init=switch");
-ABSL_FLAG(int32_t, metrics_port, -1,
-          "Prometheus /metrics port; 0 picks a free one, -1 disables metrics");
-ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "interface of the metrics endpoint");
-ABSL_FLAG(int32_t, threads, 0, "torch intra-op threads; 0 = all cores");
-ABSL_FLAG(bool, blas_probe, true,
-          "with BLIS and no BLIS_ARCH_TYPE set: time the kernel sets this CPU supports and keep "
-          "the fastest");
-ABSL_FLAG(int32_t, max_message_bytes, 64 << 20, "max gRPC message, both ways");
 ABSL_FLAG(int32_t, compute_workers, 1,
           "calls computed at once (Forward, Backward, Step), each on the --threads torch "
           "threads; off gRPC's threads");
 ABSL_FLAG(int32_t, max_queue, 256,
           "calls that may wait for a compute worker; more get RESOURCE_EXHAUSTED at once");
-ABSL_FLAG(std::string, tls_ca, "",
-          "mutual TLS: PEM of the CA that signs every peer (with --tls_cert, --tls_key; all "
-          "empty = plaintext)");
-ABSL_FLAG(std::string, tls_cert, "", "mutual TLS: PEM certificate (chain) of this process");
-ABSL_FLAG(std::string, tls_key, "", "mutual TLS: PEM private key of --tls_cert");
 ABSL_FLAG(int64_t, max_tokens, 65536, "max rows in one Forward request");
 ABSL_FLAG(bool, defer_weight_grads, true,
           "answer Backward with the rows' gradient, then compute the weight gradients "
@@ -73,46 +55,33 @@ ABSL_FLAG(double, saved_state_ttl_s, 300,
           "seconds a Forward saved for Backward is kept before it is dropped");
 ABSL_FLAG(std::string, state_file, "",
           "optional length-delimited StateChunk stream to load before serving");
-ABSL_FLAG(std::string, port_file, "",
-          "if set, write \"<grpc port>[ <metrics port>]\" here once serving");
 
 namespace himoe::expert {
 namespace {
 
-constexpr char kUsage[] =
-    "Serves one expert group of a Hi-MoE model over gRPC.\n"
-    "  himoe-expert --address=0.0.0.0:50051 --group_id=0 --num_groups=4 --num_experts=8 "
-    "--num_layers=2 --d_model=64 --d_ff=256 --seed=0 [--dtype=bfloat16] [--metrics_port=0]";
-
-absl::StatusOr<v1::ExpertShape> ShapeFromFlags() {
-  v1::ExpertShape shape;
-  shape.set_num_experts(absl::GetFlag(FLAGS_num_experts));
-  shape.set_num_groups(absl::GetFlag(FLAGS_num_groups));
-  shape.set_num_layers(absl::GetFlag(FLAGS_num_layers));
-  shape.set_d_model(absl::GetFlag(FLAGS_d_model));
-  shape.set_d_ff(absl::GetFlag(FLAGS_d_ff));
-  shape.set_seed(absl::GetFlag(FLAGS_seed));
-  const auto dtype = ParseExpertDtype(absl::GetFlag(FLAGS_dtype));
-  if (!dtype.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", dtype.status().message()));
-  }
-  shape.set_dtype(*dtype);
-  const auto matmul = ParseExpertDtype(absl::GetFlag(FLAGS_matmul_dtype));
-  if (!matmul.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--matmul_", matmul.status().message()));
-  }
-  if (*matmul == v1::DTYPE_BFLOAT16) shape.set_matmul_dtype(*matmul);
-  const auto init = ParseWeightInit(absl::GetFlag(FLAGS_init));
-  if (!init.ok()) return absl::InvalidArgumentError(absl::StrCat("--", init.status().message()));
-  shape.set_init(*init);
-  shape.set_n_layer(absl::GetFlag(FLAGS_n_layer));
-  return shape;
+ServiceInfo Info() {
+  ServiceInfo info;
+  info.name = "himoe-expert";
+  info.usage =
+      "Serves one expert group of a Hi-MoE model over gRPC.\n"
+      "  himoe-expert --address=0.0.0.0:50051 --group_id=0 --num_groups=4 --num_experts=8 "
+      "--num_layers=2 --d_model=64 --d_ff=256 --seed=0 [--dtype=bfloat16] [--metrics_port=0]";
+  return info;  // the shared flags keep their shared help
 }
 
-// --tls_ca, --tls_cert, --tls_key.
-TlsFiles TlsFromFlags() {
-  return TlsFiles{absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
-                  absl::GetFlag(FLAGS_tls_key)};
+absl::StatusOr<v1::ExpertShape> ShapeFromFlags() {
+  ExpertShapeFlags flags;
+  flags.num_experts = absl::GetFlag(FLAGS_num_experts);
+  flags.num_groups = absl::GetFlag(FLAGS_num_groups);
+  flags.num_layers = absl::GetFlag(FLAGS_num_layers);
+  flags.d_model = absl::GetFlag(FLAGS_d_model);
+  flags.d_ff = absl::GetFlag(FLAGS_d_ff);
+  flags.seed = absl::GetFlag(FLAGS_seed);
+  flags.dtype = absl::GetFlag(FLAGS_dtype);
+  flags.matmul_dtype = absl::GetFlag(FLAGS_matmul_dtype);
+  flags.init = absl::GetFlag(FLAGS_init);
+  flags.n_layer = absl::GetFlag(FLAGS_n_layer);
+  return ExpertShapeFromFlags(flags);
 }
 
 absl::StatusOr<ExpertServerOptions> OptionsFromFlags() {
@@ -133,11 +102,11 @@ absl::StatusOr<ExpertServerOptions> OptionsFromFlags() {
   HIMOE_ASSIGN_OR_RETURN(const HostPort listen,
                          ParseHostPort("--address", absl::GetFlag(FLAGS_address)));
   options.address = JoinHostPort(listen.host, listen.port);
-  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.max_message_bytes = MaxMessageBytesFlag();
   options.compute = ComputePoolOptions{absl::GetFlag(FLAGS_compute_workers),
                                        absl::GetFlag(FLAGS_max_queue), "--max_queue"};
   options.state_file = absl::GetFlag(FLAGS_state_file);
-  options.tls = TlsFromFlags();
+  options.tls = GetServiceFlags().tls;
   return options;
 }
 
@@ -145,11 +114,9 @@ absl::StatusOr<ExpertServerOptions> OptionsFromFlags() {
 // torch's. Null when --metrics_port is negative.
 absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
     ExpertServer* server, std::shared_ptr<ExpertMetrics>* metrics) {
-  const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
-  if (metrics_port < 0) return nullptr;
-  HIMOE_ASSIGN_OR_RETURN(
-      std::unique_ptr<prometheus::Exposer> exposer,
-      StartMetricsEndpoint("--metrics_port", absl::GetFlag(FLAGS_metrics_address), metrics_port));
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<prometheus::Exposer> exposer,
+                         StartServiceMetrics(GetServiceFlags().metrics_port));
+  if (exposer == nullptr) return nullptr;
   *metrics = std::make_shared<ExpertMetrics>(server->core(), &server->compute_pool());
   exposer->RegisterCollectable(*metrics);
   LOG(INFO) << "metrics on port " << MetricsPort(*exposer);
@@ -166,8 +133,7 @@ void LogServing(ExpertServer& server, const ExpertServerOptions& options) {
 }
 
 absl::Status Run(StartupTimer& startup) {
-  HIMOE_RETURN_IF_ERROR(
-      ConfigureServingCompute(absl::GetFlag(FLAGS_threads), absl::GetFlag(FLAGS_blas_probe)));
+  HIMOE_RETURN_IF_ERROR(ConfigureServiceCompute());
   startup.Mark("compute set-up");
   HIMOE_ASSIGN_OR_RETURN(const ExpertServerOptions options, OptionsFromFlags());
   HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<ExpertServer> server, ExpertServer::Start(options));
@@ -176,17 +142,11 @@ absl::Status Run(StartupTimer& startup) {
   std::shared_ptr<ExpertMetrics> metrics;
   HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<prometheus::Exposer> exposer,
                          StartMetrics(server.get(), &metrics));
-  std::string ports = std::to_string(server->port());
-  if (exposer != nullptr) absl::StrAppend(&ports, " ", MetricsPort(*exposer));
-  if (const std::string port_file = absl::GetFlag(FLAGS_port_file); !port_file.empty()) {
-    HIMOE_RETURN_IF_ERROR(WriteFileAtomically(port_file, ports + "\n"));
-  }
+  HIMOE_RETURN_IF_ERROR(WritePortFile(server->port(), exposer.get()));
   startup.Mark("metrics");
   LOG(INFO) << startup.Summary();
 
-  int sig = 0;
-  while ((sig = WaitForStopSignal(std::chrono::milliseconds(500))) == 0) {
-  }
+  const int sig = WaitUntilStopSignal();
   LOG(INFO) << "stop signal " << sig << " received; shutting down";
   server->Shutdown(absl::Seconds(10));
   server->Wait();
@@ -199,17 +159,7 @@ absl::Status Run(StartupTimer& startup) {
 
 int main(int argc, char** argv) {
   himoe::StartupTimer startup;
-  himoe::BlockStopSignals();  // before any thread starts: they inherit the mask
-  himoe::ParseCommandLine(argc, argv, himoe::expert::kUsage);
-  if (std::getenv("GLOG_logtostderr") == nullptr && std::getenv("GLOG_log_dir") == nullptr) {
-    FLAGS_logtostderr = true;
-  }
-  google::InitGoogleLogging(argv[0]);
-  himoe::PrintStackOnCrash();
-  const absl::Status status = himoe::expert::Run(startup);
-  if (!status.ok()) {
-    LOG(ERROR) << "himoe-expert: " << status;
-    return 1;
-  }
-  return 0;
+  const himoe::ServiceInfo info = himoe::expert::Info();
+  himoe::InitService(argc, argv, info);
+  return himoe::ServiceExitCode(info, himoe::expert::Run(startup));
 }

@@ -11,14 +11,11 @@
 #include "absl/strings/str_cat.h"
 #include "common/cluster_config.h"
 #include "common/expert_shape.h"
-#include "common/file_util.h"
 #include "common/host_port.h"
 #include "common/metrics_endpoint.h"
 #include "common/process_stats.h"
-#include "common/program.h"
-#include "common/signals.h"
+#include "common/service_main.h"
 #include "common/status_macros.h"
-#include "common/compute_setup.h"
 #include "common/torch_runtime.h"
 #include "model/checkpoint_reader.h"
 #include "model/generator.h"
@@ -28,22 +25,6 @@
 ABSL_FLAG(std::string, cluster, "", "Cluster file (protobuf text format; see deploy/local)");
 ABSL_FLAG(std::string, address, "",
           "host:port to listen on; default: router.address of the cluster file");
-ABSL_FLAG(int, metrics_port, -1,
-          "Prometheus /metrics port (0 = pick one); default: router.metrics_port");
-ABSL_FLAG(std::string, metrics_address, "0.0.0.0", "Interface the metrics endpoint binds");
-ABSL_FLAG(int, threads, 0, "Torch intra-op threads (0 = all cores)");
-ABSL_FLAG(bool, blas_probe, true,
-          "with BLIS and no BLIS_ARCH_TYPE set: time the kernel sets this CPU supports and keep "
-          "the fastest");
-ABSL_FLAG(std::string, port_file, "",
-          "If set, write '<grpc port> <metrics port>' here once serving");
-ABSL_FLAG(int, max_message_bytes, 64 << 20, "Max gRPC message size, both directions");
-ABSL_FLAG(std::string, tls_ca, "",
-          "mutual TLS of the RouterService port and of the calls to the groups: PEM of the "
-          "CA that signs every peer (with --tls_cert, --tls_key; all empty = the cluster "
-          "file's tls, or plaintext)");
-ABSL_FLAG(std::string, tls_cert, "", "mutual TLS: PEM certificate (chain) of this process");
-ABSL_FLAG(std::string, tls_key, "", "mutual TLS: PEM private key of --tls_cert");
 ABSL_FLAG(std::string, checkpoint, "",
           "Serve Generate from this trainer checkpoint (a step_* directory, or the "
           "checkpoints root: its newest); empty = no Generate");
@@ -60,15 +41,25 @@ ABSL_FLAG(int32_t, max_streams, 64,
 namespace himoe::router {
 namespace {
 
-constexpr char kUsage[] =
-    "Routes tokens to the expert groups of a cluster file (RouteForward) and, with "
-    "--checkpoint, samples from a trained LM through them (Generate).\n"
-    "  himoe-router --cluster=deploy/local/cluster.textproto [--checkpoint=runs/main/checkpoints]";
-
-// --tls_ca, --tls_cert, --tls_key.
-TlsFiles TlsFromFlags() {
-  return TlsFiles{absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert),
-                  absl::GetFlag(FLAGS_tls_key)};
+ServiceInfo Info() {
+  ServiceInfo info;
+  info.name = "himoe-router";
+  info.usage =
+      "Routes tokens to the expert groups of a cluster file (RouteForward) and, with "
+      "--checkpoint, samples from a trained LM through them (Generate).\n"
+      "  himoe-router --cluster=deploy/local/cluster.textproto "
+      "[--checkpoint=runs/main/checkpoints]";
+  ServiceFlagHelp& help = info.flag_help;
+  help.threads = "Torch intra-op threads (0 = all cores)";
+  help.metrics_port = "Prometheus /metrics port (0 = pick one); default: router.metrics_port";
+  help.metrics_address = "Interface the metrics endpoint binds";
+  help.tls_ca =
+      "mutual TLS of the RouterService port and of the calls to the groups: PEM of the CA "
+      "that signs every peer (with --tls_cert, --tls_key; all empty = the cluster file's "
+      "tls, or plaintext)";
+  help.port_file = "If set, write '<grpc port> <metrics port>' here once serving";
+  help.max_message_bytes = "Max gRPC message size, both directions";
+  return info;
 }
 
 absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& cluster) {
@@ -83,8 +74,8 @@ absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& 
     go.addresses.push_back(g.address());
     go.addresses.insert(go.addresses.end(), g.replicas().begin(), g.replicas().end());
     go.deadline = std::chrono::milliseconds(cluster.router().deadline_ms());
-    go.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-    go.tls = ClusterTls(cluster, TlsFromFlags());
+    go.max_message_bytes = MaxMessageBytesFlag();
+    go.tls = ClusterTls(cluster, GetServiceFlags().tls);
     o.moe.groups.push_back(go);
   }
   o.batching.max_batch_tokens = cluster.router().max_batch_tokens();
@@ -93,8 +84,8 @@ absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& 
   o.batching.queue_limit_name = "router.max_queue_requests";
   o.batching.max_batches_in_flight = cluster.router().max_batches_in_flight();
   o.max_tokens_per_request = cluster.router().max_tokens_per_request();
-  o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  o.tls = ClusterTls(cluster, TlsFromFlags());
+  o.max_message_bytes = MaxMessageBytesFlag();
+  o.tls = ClusterTls(cluster, GetServiceFlags().tls);
   o.address = absl::GetFlag(FLAGS_address).empty() ? cluster.router().address()
                                                     : absl::GetFlag(FLAGS_address);
   if (o.address.empty()) o.address = "0.0.0.0:50050";
@@ -140,8 +131,7 @@ absl::Status ServeCheckpoint(const v1::ClusterConfig& cluster,
 }
 
 absl::Status Run(StartupTimer& startup) {
-  HIMOE_RETURN_IF_ERROR(
-      ConfigureServingCompute(absl::GetFlag(FLAGS_threads), absl::GetFlag(FLAGS_blas_probe)));
+  HIMOE_RETURN_IF_ERROR(ConfigureServiceCompute());
   startup.Mark("compute set-up");
   if (absl::GetFlag(FLAGS_cluster).empty()) {
     return absl::InvalidArgumentError("--cluster is required (see --help)");
@@ -156,12 +146,14 @@ absl::Status Run(StartupTimer& startup) {
     startup.Mark("checkpoint read");
   }
 
-  const int metrics_port = absl::GetFlag(FLAGS_metrics_port) >= 0
-                               ? absl::GetFlag(FLAGS_metrics_port)
-                               : cluster.router().metrics_port();
-  HIMOE_ASSIGN_OR_RETURN(
-      std::unique_ptr<prometheus::Exposer> exposer,
-      StartMetricsEndpoint("--metrics_port", absl::GetFlag(FLAGS_metrics_address), metrics_port));
+  const int metrics_flag = GetServiceFlags().metrics_port;
+  const int metrics_port = metrics_flag >= 0 ? metrics_flag : cluster.router().metrics_port();
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<prometheus::Exposer> exposer,
+                         StartServiceMetrics(metrics_port));
+  if (exposer == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "router.metrics_port: ", metrics_port, " is not a port (0-65535; 0 picks one)"));
+  }
   auto registry = std::make_shared<prometheus::Registry>();
   exposer->RegisterCollectable(registry);
   o.registry = registry.get();
@@ -173,13 +165,9 @@ absl::Status Run(StartupTimer& startup) {
   startup.Mark("groups and server");
   LOG(INFO) << "himoe-router serving on port " << server->port() << " (metrics on "
             << MetricsPort(*exposer) << "), " << RoutingConfigDebugString(o.moe.routing);
-  if (const std::string f = absl::GetFlag(FLAGS_port_file); !f.empty()) {
-    HIMOE_RETURN_IF_ERROR(
-        WriteFileAtomically(f, absl::StrCat(server->port(), " ", MetricsPort(*exposer), "\n")));
-  }
+  HIMOE_RETURN_IF_ERROR(WritePortFile(server->port(), exposer.get()));
   LOG(INFO) << startup.Summary();
-  while (WaitForStopSignal(std::chrono::milliseconds(500)) == 0) {
-  }
+  WaitUntilStopSignal();
   LOG(INFO) << "himoe-router shutting down";
   server->Shutdown();
   return absl::OkStatus();
@@ -190,15 +178,7 @@ absl::Status Run(StartupTimer& startup) {
 
 int main(int argc, char** argv) {
   himoe::StartupTimer startup;
-  himoe::BlockStopSignals();  // before any thread starts: they inherit the mask
-  himoe::ParseCommandLine(argc, argv, himoe::router::kUsage);
-  google::InitGoogleLogging(argv[0]);
-  himoe::PrintStackOnCrash();
-  FLAGS_logtostderr = true;
-  const absl::Status status = himoe::router::Run(startup);
-  if (!status.ok()) {
-    LOG(ERROR) << "himoe-router: " << status;
-    return 1;
-  }
-  return 0;
+  const himoe::ServiceInfo info = himoe::router::Info();
+  himoe::InitService(argc, argv, info);
+  return himoe::ServiceExitCode(info, himoe::router::Run(startup));
 }

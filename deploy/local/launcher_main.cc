@@ -51,7 +51,7 @@ namespace {
 
 constexpr int kExitSignal = 0;
 constexpr int kExitFailed = 1;
-constexpr int kExitRefused = 2;  // (also himoe::ParseCommandLine's on a positional argument)
+constexpr int kExitRefused = 2;  // (also himoe::InitProgram's on a positional argument)
 constexpr auto kStopGrace = std::chrono::seconds(10);
 constexpr auto kRouterStopShare = std::chrono::seconds(5);
 // A round reads the port files and asks only services with one for Info:
@@ -128,24 +128,18 @@ struct Launcher {
     o.threads = ServiceThreads(cluster, group.threads());
     o.tls = ClusterTls(cluster);
     o.shared_memory = cluster.router().shared_memory();
-    local::ServiceSpec spec;
-    spec.name = absl::StrCat("expert group ", g);
-    spec.log_path = absl::StrCat(log_dir, "/expert-", g, ".log");
-    spec.pid_file = absl::StrCat(log_dir, "/expert-", g, ".pid");
-    spec.port_file = absl::StrCat(log_dir, "/expert-", g, ".port");
-    spec.address = group.address();
-    spec.dial_host = DialHost(group_hosts[g].host);
-    spec.tls = o.tls;
-    spec.argv = local::ExpertCommandLine(expert_bin, o, g, group_hosts[g].host,
-                                         group_hosts[g].port, spec.port_file);
+    local::ExpertSite site;
+    site.group_id = g;
+    site.host = group_hosts[g].host;
+    site.port = group_hosts[g].port;
+    site.address = group.address();
+    site.dial_host = DialHost(group_hosts[g].host);
+    site.log_dir = log_dir;
     if (group.metrics_port() > 0) {
-      spec.argv.push_back(absl::StrCat("--metrics_port=", group.metrics_port()));
-      spec.argv.push_back(absl::StrCat("--metrics_address=", group_metrics_hosts[g]));
+      site.metrics_port = group.metrics_port();
+      site.metrics_host = group_metrics_hosts[g];
     }
-    spec.probe = [g, shape = o.shape](const std::shared_ptr<grpc::Channel>& channel) {
-      return local::ProbeExpertInfo(channel, g, shape);
-    };
-    return spec;
+    return local::ExpertServiceSpec(expert_bin, o, site);
   }
 
   Wait StartExperts() {
@@ -410,11 +404,10 @@ absl::Status Prepare(Launcher& l) {
 }
 
 int Main(int argc, char** argv) {
-  ParseCommandLine(argc, argv,
-                   "Starts every expert group of a cluster file and the router on this machine.\n"
-                   "  himoe-cluster --cluster deploy/local/cluster.textproto");
-  PrintStackOnCrash();
-  BlockStopSignals(/*watch_children=*/true);
+  InitProgram(argc, argv,
+              "Starts every expert group of a cluster file and the router on this machine.\n"
+              "  himoe-cluster --cluster deploy/local/cluster.textproto",
+              /*watch_children=*/true);
   Launcher l;
   if (absl::Status s = Validate(l); !s.ok()) {
     std::fprintf(stderr, "himoe-cluster: refused: %s\n", std::string(s.message()).c_str());

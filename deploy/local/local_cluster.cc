@@ -13,7 +13,6 @@ namespace {
 
 constexpr auto kStopGrace = std::chrono::seconds(10);
 constexpr auto kReadyPoll = std::chrono::milliseconds(20);  // as himoe-cluster's
-constexpr char kLocalHost[] = "127.0.0.1";
 
 absl::StatusOr<std::string> ExpertBinary(const std::string& binary) {
   if (binary.empty()) return FindBinary("himoe-expert", "expert_service");
@@ -26,38 +25,41 @@ absl::StatusOr<std::string> ExpertBinary(const std::string& binary) {
 
 }  // namespace
 
-std::vector<std::string> ExpertCommandLine(const std::string& binary,
-                                           const ExpertProcessOptions& options, int group_id,
-                                           const std::string& host, int port,
-                                           const std::string& port_file) {
-  const v1::ExpertShape& s = options.shape;
-  std::vector<std::string> argv = {
-      binary,
-      absl::StrCat("--address=", JoinHostPort(host, port)),
-      absl::StrCat("--group_id=", group_id),
-      absl::StrCat("--num_groups=", s.num_groups()),
-      absl::StrCat("--num_experts=", s.num_experts()),
-      absl::StrCat("--num_layers=", s.num_layers()),
-      absl::StrCat("--d_model=", s.d_model()),
-      absl::StrCat("--d_ff=", s.d_ff()),
-      absl::StrCat("--seed=", s.seed()),
-      absl::StrCat("--dtype=", ExpertDtypeName(s.dtype())),
-      absl::StrCat("--device=", options.device.empty() ? "cpu" : options.device),
-      absl::StrCat("--threads=", options.threads),
-      absl::StrCat("--port_file=", port_file),
-  };
-  if (s.matmul_dtype() == v1::DTYPE_BFLOAT16) argv.push_back("--matmul_dtype=bfloat16");
-  if (s.init() != v1::WEIGHT_INIT_DEFAULT) {
-    argv.push_back(absl::StrCat("--init=", WeightInitName(s.init())));
-    argv.push_back(absl::StrCat("--n_layer=", s.n_layer()));
+ServiceSpec ExpertServiceSpec(const std::string& binary, const ExpertProcessOptions& options,
+                              const ExpertSite& site) {
+  const int g = site.group_id;
+  ServiceSpec spec;
+  spec.name = absl::StrCat("expert group ", g);
+  spec.log_path = absl::StrCat(site.log_dir, "/expert-", g, ".log");
+  spec.pid_file = absl::StrCat(site.log_dir, "/expert-", g, ".pid");
+  spec.port_file = absl::StrCat(site.log_dir, "/expert-", g, ".port");
+  spec.argv = {binary, absl::StrCat("--address=", JoinHostPort(site.host, site.port)),
+               absl::StrCat("--group_id=", g)};
+  for (std::string& arg : ExpertShapeArgs(options.shape)) spec.argv.push_back(std::move(arg));
+  spec.argv.push_back(absl::StrCat("--device=", options.device.empty() ? "cpu" : options.device));
+  spec.argv.push_back(absl::StrCat("--threads=", options.threads));
+  spec.argv.push_back(absl::StrCat("--port_file=", spec.port_file));
+  if (site.metrics_port >= 0) {
+    spec.argv.push_back(absl::StrCat("--metrics_port=", site.metrics_port));
+    spec.argv.push_back(absl::StrCat("--metrics_address=", site.metrics_host));
   }
-  if (options.shared_memory) argv.push_back("--shared_memory");
+  if (options.shared_memory) spec.argv.push_back("--shared_memory");
+  if (options.max_tokens > 0) {
+    spec.argv.push_back(absl::StrCat("--max_tokens=", options.max_tokens));
+  }
   if (options.tls.enabled()) {
-    argv.push_back(absl::StrCat("--tls_ca=", options.tls.ca_file));
-    argv.push_back(absl::StrCat("--tls_cert=", options.tls.cert_file));
-    argv.push_back(absl::StrCat("--tls_key=", options.tls.key_file));
+    spec.argv.push_back(absl::StrCat("--tls_ca=", options.tls.ca_file));
+    spec.argv.push_back(absl::StrCat("--tls_cert=", options.tls.cert_file));
+    spec.argv.push_back(absl::StrCat("--tls_key=", options.tls.key_file));
   }
-  return argv;
+  spec.want_metrics_port = site.metrics_port >= 0;
+  spec.address = site.address;
+  spec.dial_host = site.dial_host;
+  spec.tls = options.tls;
+  spec.probe = [g, shape = options.shape](const std::shared_ptr<grpc::Channel>& channel) {
+    return ProbeExpertInfo(channel, g, shape);
+  };
+  return spec;
 }
 
 absl::StatusOr<std::unique_ptr<LocalExpertCluster>> LocalExpertCluster::Start(
@@ -85,24 +87,13 @@ absl::Status LocalExpertCluster::StartGroups(const ExpertProcessOptions& options
   const int m = options.shape.num_groups();
   const bool metrics = options.metrics_port_base >= 0;
   for (int g = 0; g < m; ++g) {
-    ServiceSpec spec;
-    spec.name = absl::StrCat("expert group ", g);
-    spec.log_path = absl::StrCat(log_dir_, "/expert-", g, ".log");
-    spec.pid_file = absl::StrCat(log_dir_, "/expert-", g, ".pid");
-    spec.port_file = absl::StrCat(log_dir_, "/expert-", g, ".port");
-    spec.argv = ExpertCommandLine(binary, options, g, kLocalHost, 0, spec.port_file);
+    ExpertSite site;
+    site.group_id = g;
+    site.log_dir = log_dir_;
     if (metrics) {
-      spec.argv.push_back(absl::StrCat(
-          "--metrics_port=", options.metrics_port_base == 0 ? 0 : options.metrics_port_base + g));
-      spec.argv.push_back(absl::StrCat("--metrics_address=", kLocalHost));
+      site.metrics_port = options.metrics_port_base == 0 ? 0 : options.metrics_port_base + g;
     }
-    spec.want_metrics_port = metrics;
-    spec.dial_host = kLocalHost;
-    spec.tls = options.tls;
-    spec.probe = [g, shape = options.shape](const std::shared_ptr<grpc::Channel>& channel) {
-      return ProbeExpertInfo(channel, g, shape);
-    };
-    HIMOE_RETURN_IF_ERROR(services_.Start(std::move(spec)));
+    HIMOE_RETURN_IF_ERROR(services_.Start(ExpertServiceSpec(binary, options, site)));
   }
   HIMOE_RETURN_IF_ERROR(services_.WaitUntilReady(std::chrono::steady_clock::now() +
                                                      options.ready_timeout,
@@ -110,7 +101,7 @@ absl::Status LocalExpertCluster::StartGroups(const ExpertProcessOptions& options
   for (size_t g = 0; g < services_.size(); ++g) {
     addresses_.push_back(services_[g].address);
     if (metrics) {
-      metrics_addresses_.push_back(JoinHostPort(kLocalHost, services_[g].ports->metrics_port));
+      metrics_addresses_.push_back(JoinHostPort("127.0.0.1", services_[g].ports->metrics_port));
     }
   }
   pids_ = services_.pids();
@@ -124,13 +115,12 @@ absl::StatusOr<std::vector<int>> LocalExpertCluster::RestartExited() {
   std::vector<int> restarted;
   for (const size_t g : services_.Ended()) {
     const ServicePorts& ports = *services_[g].ports;  // known: the group was ready once
-    std::vector<std::string> argv =
-        ExpertCommandLine(binary_, options_, static_cast<int>(g), kLocalHost, ports.port,
-                          services_[g].spec.port_file);
-    if (options_.metrics_port_base >= 0) {
-      argv.push_back(absl::StrCat("--metrics_port=", ports.metrics_port));
-      argv.push_back(absl::StrCat("--metrics_address=", kLocalHost));
-    }
+    ExpertSite site;
+    site.group_id = static_cast<int>(g);
+    site.port = ports.port;
+    site.log_dir = log_dir_;
+    if (options_.metrics_port_base >= 0) site.metrics_port = ports.metrics_port;
+    std::vector<std::string> argv = ExpertServiceSpec(binary_, options_, site).argv;
     HIMOE_RETURN_IF_ERROR(services_.Restart(g, std::move(argv)));
     restarted.push_back(static_cast<int>(g));
   }

@@ -2,6 +2,7 @@
 #define HIMOE_DEPLOY_LOCAL_LOCAL_CLUSTER_H_
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,6 +33,8 @@ struct ExpertProcessOptions {
   // from clients on this host that send them that way (himoe-trainer's own
   // groups; himoe-cluster's with router.shared_memory).
   bool shared_memory = false;
+  // --max_tokens of every group; 0 = himoe-expert's default.
+  int64_t max_tokens = 0;
 };
 
 // M himoe-expert processes on 127.0.0.1 (ports picked by the services),
@@ -76,12 +79,24 @@ class LocalExpertCluster {
   ServiceSet services_;  // group g = services_[g]
 };
 
-// The himoe-expert command line serving group `group_id` of `options.shape`
-// (device, threads, tls) on --address=host:port, writing `port_file`.
-std::vector<std::string> ExpertCommandLine(const std::string& binary,
-                                           const ExpertProcessOptions& options, int group_id,
-                                           const std::string& host, int port,
-                                           const std::string& port_file);
+// Where one himoe-expert process serves and keeps its files.
+struct ExpertSite {
+  int group_id = 0;
+  std::string host = "127.0.0.1";  // --address=host:port
+  int port = 0;                    // 0 = the service picks one
+  std::string address;             // as configured, for messages; empty = dial_host:port
+  std::string dial_host = "127.0.0.1";  // where this machine reaches it
+  std::string log_dir;  // expert-<g>.log, .pid and .port go here
+  int metrics_port = -1;  // --metrics_port; -1 = no metrics, 0 = the service picks one
+  std::string metrics_host = "127.0.0.1";  // --metrics_address
+};
+
+// The one builder of a himoe-expert service: the command line (the shape's
+// flags, device, threads, port file, metrics, shared memory, max_tokens,
+// TLS), its files, and the readiness probe (Info answers as the group, with
+// `options.shape`). `binary` is argv[0].
+ServiceSpec ExpertServiceSpec(const std::string& binary, const ExpertProcessOptions& options,
+                              const ExpertSite& site);
 
 }  // namespace himoe::local
 

@@ -11,9 +11,8 @@
 // Same seed (so the same gate and expert weights) and the same input for all.
 // Before timing, remote_fp32 must match local within 1e-4 (max abs) and
 // remote_bf16 within 2e-2 relative (the README's bf16 tolerance). The expert
-// processes are spawned here (--address=127.0.0.1:0 --port_file) and stopped on every exit
-// path: normal return, error return, exit(), SIGINT/SIGTERM, and, through
-// PR_SET_PDEATHSIG, a crash or SIGKILL of this process.
+// processes are a LocalExpertCluster (deploy/local): stopped on return, and,
+// through PR_SET_PDEATHSIG, when this process exits or is killed.
 //
 // Threads (a fair default on any core count C): the local run uses C torch
 // threads; in the remote runs this process (routing, encode, combine) keeps
@@ -30,28 +29,16 @@
 //   himoe-bench --benchmark_min_time=3 --benchmark_repetitions=5
 //     --benchmark_enable_random_interleaving --fp32_chunk_sweep=256K,4M,16M
 // The summary ratios use the median tokens/s over the repetitions.
-#include <errno.h>
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <fstream>
 #include <functional>
-#include <iterator>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -65,12 +52,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
-#include "common/status_macros.h"
 #include "common/compute_setup.h"
-#include "common/file_util.h"
+#include "common/process_stats.h"
+#include "common/status_macros.h"
 #include "common/torch_runtime.h"
+#include "deploy/local/local_cluster.h"
 #include "router_service/remote_moe.h"
 #include "router_service/routing/local_moe.h"
 
@@ -102,178 +88,15 @@ using router::LocalMoE;
 using router::MoEOutput;
 using router::RemoteMoE;
 
-// ---------------------------------------------------------------------------
-// Expert processes, stopped on every exit path.
+// The expert processes (LocalExpertCluster: stopped with it, and through
+// PR_SET_PDEATHSIG when this process dies).
 
-constexpr int kMaxChildren = 64;
-pid_t g_children[kMaxChildren];        // written before the handlers can see them
-std::atomic<int> g_num_children{0};
-
-// Async-signal-safe: SIGKILL every child still registered.
-void KillChildrenNow() {
-  const int n = g_num_children.load();
-  for (int i = 0; i < n; ++i) {
-    if (g_children[i] > 0) kill(g_children[i], SIGKILL);
-  }
+// User + system CPU seconds the expert processes have used so far.
+double ExpertCpuSeconds(const local::LocalExpertCluster& cluster) {
+  double seconds = 0;
+  for (const int pid : cluster.pids()) seconds += CpuSeconds(pid).value_or(0.0);
+  return seconds;
 }
-
-extern "C" void OnFatalSignal(int sig) {
-  KillChildrenNow();
-  signal(sig, SIG_DFL);
-  raise(sig);
-}
-
-extern "C" void KillChildrenAtExit() { KillChildrenNow(); }
-
-void InstallCleanupHandlers() {
-  std::atexit(KillChildrenAtExit);
-  struct sigaction action = {};
-  action.sa_handler = OnFatalSignal;
-  sigemptyset(&action.sa_mask);
-  for (const int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaction(sig, &action, nullptr);
-}
-
-class ExpertCluster {
- public:
-  ~ExpertCluster() { Stop(); }
-
-  absl::Status Start(const std::string& bin, int groups, const std::vector<std::string>& common,
-                     absl::Duration timeout) {
-    char pattern[] = "/tmp/himoe_bench_XXXXXX";
-    if (mkdtemp(pattern) == nullptr) {
-      return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
-    }
-    dir_ = pattern;
-    if (access(bin.c_str(), X_OK) != 0) {
-      return absl::NotFoundError(absl::StrCat("--expert_bin '", bin, "' is not executable"));
-    }
-    for (int g = 0; g < groups; ++g) {
-      std::vector<std::string> argv = {bin, "--address=127.0.0.1:0",
-                                       absl::StrCat("--port_file=", PortFile(g)),
-                                       absl::StrCat("--group_id=", g)};
-      argv.insert(argv.end(), common.begin(), common.end());
-      HIMOE_RETURN_IF_ERROR(Spawn(argv, LogFile(g)));
-    }
-    const auto deadline = absl::Now() + timeout;
-    ports_.assign(groups, 0);
-    for (int g = 0; g < groups; ++g) {
-      while (true) {
-        std::ifstream in(PortFile(g));
-        int port = 0;
-        if (in >> port && port > 0) {
-          ports_[g] = port;
-          break;
-        }
-        int status = 0;
-        if (waitpid(pids_[g], &status, WNOHANG) == pids_[g]) {
-          pids_[g] = -1;
-          return absl::UnavailableError(absl::StrCat(
-              "himoe-expert group ", g, " exited before serving; its log:\n", Tail(LogFile(g))));
-        }
-        if (absl::Now() > deadline) {
-          return absl::DeadlineExceededError(absl::StrCat(
-              "himoe-expert group ", g, " not serving after ", absl::FormatDuration(timeout),
-              "; its log:\n", Tail(LogFile(g))));
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
-    return absl::OkStatus();
-  }
-
-  // SIGTERM, a bounded wait for a clean exit, then SIGKILL.
-  void Stop() {
-    for (pid_t pid : pids_) {
-      if (pid > 0) kill(pid, SIGTERM);
-    }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
-    for (pid_t& pid : pids_) {
-      if (pid <= 0) continue;
-      int status = 0;
-      while (waitpid(pid, &status, WNOHANG) == 0) {
-        if (std::chrono::steady_clock::now() > deadline) {
-          kill(pid, SIGKILL);
-          waitpid(pid, &status, 0);
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-      pid = -1;
-    }
-    g_num_children.store(0);
-    if (!dir_.empty()) {
-      (void)RemoveAll(dir_);
-      dir_.clear();
-    }
-  }
-
-  const std::vector<int>& ports() const { return ports_; }
-
-  // User + system CPU seconds used so far by all expert processes (/proc).
-  double CpuSeconds() const {
-    double ticks = 0;
-    for (pid_t pid : pids_) {
-      if (pid <= 0) continue;
-      std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
-      std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      const size_t paren = stat.rfind(')');  // the command name may hold spaces
-      if (paren == std::string::npos) continue;
-      std::vector<std::string> fields = absl::StrSplit(stat.substr(paren + 2), ' ');
-      // Fields 14 and 15 of proc(5) (utime, stime) are 11 and 12 after "pid (comm)".
-      double utime = 0, stime = 0;
-      if (fields.size() > 12 && absl::SimpleAtod(fields[11], &utime) &&
-          absl::SimpleAtod(fields[12], &stime)) {
-        ticks += utime + stime;
-      }
-    }
-    return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
-  }
-
- private:
-  std::string PortFile(int g) const { return JoinPath(dir_, absl::StrCat("group", g, ".port")); }
-  std::string LogFile(int g) const { return JoinPath(dir_, absl::StrCat("group", g, ".log")); }
-
-  static std::string Tail(const std::string& path) {
-    std::ifstream in(path);
-    std::stringstream s;
-    s << in.rdbuf();
-    const std::string all = s.str();
-    return all.size() > 4000 ? all.substr(all.size() - 4000) : all;
-  }
-
-  absl::Status Spawn(const std::vector<std::string>& argv, const std::string& log) {
-    if (g_num_children.load() >= kMaxChildren) return absl::ResourceExhaustedError("children");
-    std::vector<char*> args;
-    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return absl::InternalError(absl::StrCat("open ", log, ": ", std::strerror(errno)));
-    const pid_t parent = getpid();
-    const pid_t pid = fork();
-    if (pid < 0) {
-      close(fd);
-      return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
-    }
-    if (pid == 0) {  // child: async-signal-safe calls only
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != parent) _exit(127);  // the parent died already
-      dup2(fd, STDOUT_FILENO);
-      dup2(fd, STDERR_FILENO);
-      execv(args[0], args.data());
-      _exit(127);
-    }
-    close(fd);
-    pids_.push_back(pid);
-    const int i = g_num_children.load();
-    g_children[i] = pid;
-    g_num_children.store(i + 1);
-    return absl::OkStatus();
-  }
-
-  std::string dir_;
-  std::vector<pid_t> pids_;
-  std::vector<int> ports_;
-};
 
 // ---------------------------------------------------------------------------
 
@@ -299,9 +122,9 @@ using ForwardFn = std::function<absl::StatusOr<MoEOutput>()>;
 
 // `cluster` is null for the in-process run.
 void RunForwards(benchmark::State& state, const ForwardFn& forward, int64_t tokens,
-                 const ExpertCluster* cluster) {
+                 const local::LocalExpertCluster* cluster) {
   at::NoGradGuard no_grad;
-  const double expert_cpu_start = cluster != nullptr ? cluster->CpuSeconds() : 0.0;
+  const double expert_cpu_start = cluster != nullptr ? ExpertCpuSeconds(*cluster) : 0.0;
   for (auto _ : state) {
     absl::StatusOr<MoEOutput> out = forward();
     if (!out.ok()) {
@@ -316,7 +139,7 @@ void RunForwards(benchmark::State& state, const ForwardFn& forward, int64_t toke
     // CPU seconds the expert processes spent per forward (the CPU column is
     // this process only).
     state.counters["expert_cpu_s"] = benchmark::Counter(
-        cluster->CpuSeconds() - expert_cpu_start, benchmark::Counter::kAvgIterations);
+        ExpertCpuSeconds(*cluster) - expert_cpu_start, benchmark::Counter::kAvgIterations);
   }
 }
 
@@ -381,19 +204,6 @@ absl::Status Run() {
               routing.num_experts, groups, routing.top_k, cores, at::get_num_threads(), groups,
               expert_threads, BytesName(chunk_bytes).c_str());
 
-  ExpertCluster cluster;
-  HIMOE_RETURN_IF_ERROR(cluster.Start(
-      absl::GetFlag(FLAGS_expert_bin), groups,
-      {absl::StrCat("--num_groups=", groups), absl::StrCat("--num_experts=", routing.num_experts),
-       "--num_layers=1", absl::StrCat("--d_model=", d), absl::StrCat("--d_ff=", d_ff),
-       absl::StrCat("--seed=", seed), absl::StrCat("--threads=", expert_threads),
-       "--dtype=float32", absl::StrCat("--max_tokens=", std::max<int64_t>(tokens, 65536)),
-       "--shared_memory"},
-      absl::Seconds(absl::GetFlag(FLAGS_startup_timeout_s))));
-
-  at::manual_seed(seed);
-  const at::Tensor x = at::randn({tokens, d});
-
   router::LocalMoEOptions lo;
   v1::ExpertShape shape;
   shape.set_num_experts(routing.num_experts);
@@ -403,6 +213,20 @@ absl::Status Run() {
   shape.set_d_ff(d_ff);
   shape.set_seed(seed);
   shape.set_dtype(v1::DTYPE_FLOAT32);
+
+  local::ExpertProcessOptions eo;
+  eo.binary = absl::GetFlag(FLAGS_expert_bin);
+  eo.shape = shape;
+  eo.threads = expert_threads;
+  eo.ready_timeout = std::chrono::seconds(absl::GetFlag(FLAGS_startup_timeout_s));
+  eo.shared_memory = true;
+  eo.max_tokens = std::max<int64_t>(tokens, 65536);
+  HIMOE_ASSIGN_OR_RETURN(std::unique_ptr<local::LocalExpertCluster> cluster,
+                         local::LocalExpertCluster::Start(eo));
+
+  at::manual_seed(seed);
+  const at::Tensor x = at::randn({tokens, d});
+
   lo.routing = routing;
   lo.shape = shape;
   lo.layer = 0;
@@ -418,7 +242,7 @@ absl::Status Run() {
     o.shared_memory = shared_memory;
     for (int g = 0; g < groups; ++g) {
       expert::ExpertGroupClientOptions go;
-      go.addresses = {absl::StrCat("127.0.0.1:", cluster.ports()[g])};
+      go.addresses = {cluster->addresses()[g]};
       go.deadline = std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms));
       o.groups.push_back(go);
     }
@@ -472,19 +296,20 @@ absl::Status Run() {
   const std::string fp32_name = absl::StrCat("remote_fp32/chunk:", BytesName(chunk_bytes));
   const std::string bf16_name = absl::StrCat("remote_bf16/chunk:", BytesName(chunk_bytes));
   const std::string shm_name = absl::StrCat("remote_shm/chunk:", BytesName(chunk_bytes));
-  auto reg = [&](const std::string& name, ForwardFn fn, const ExpertCluster* experts) {
+  auto reg = [&](const std::string& name, ForwardFn fn,
+                 const local::LocalExpertCluster* experts) {
     benchmark::RegisterBenchmark(name.c_str(), [fn, tokens, experts](benchmark::State& s) {
       RunForwards(s, fn, tokens, experts);
     })->Unit(benchmark::kMillisecond)->UseRealTime()->MeasureProcessCPUTime();
   };
   reg(local_name, [&] { return local->Forward(x, /*training=*/false); }, nullptr);
-  reg(fp32_name, [&] { return remote_fp32->Forward(0, x); }, &cluster);
-  reg(bf16_name, [&] { return remote_bf16->Forward(0, x); }, &cluster);
-  reg(shm_name, [&] { return remote_shm->Forward(0, x); }, &cluster);
+  reg(fp32_name, [&] { return remote_fp32->Forward(0, x); }, cluster.get());
+  reg(bf16_name, [&] { return remote_bf16->Forward(0, x); }, cluster.get());
+  reg(shm_name, [&] { return remote_shm->Forward(0, x); }, cluster.get());
   for (size_t i = 0; i < swept.size(); ++i) {
     RemoteMoE* r = swept[i].get();
     reg(absl::StrCat("remote_fp32/chunk:", BytesName(sweep[i])),
-        [r, &x] { return r->Forward(0, x); }, &cluster);
+        [r, &x] { return r->Forward(0, x); }, cluster.get());
   }
 
   CapturingReporter reporter;
@@ -516,7 +341,6 @@ absl::Status Run() {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);  // takes the --benchmark_* flags
   absl::ParseCommandLine(argc, argv);  // then ours; unknown flags exit here
-  himoe::bench::InstallCleanupHandlers();
   const absl::Status status = himoe::bench::Run();
   benchmark::Shutdown();
   if (!status.ok()) {

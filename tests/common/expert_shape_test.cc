@@ -1,5 +1,8 @@
 #include "common/expert_shape.h"
 
+#include <string>
+#include <vector>
+
 #include "absl/status/status.h"
 #include "common/cluster_config.h"
 #include "gmock/gmock.h"
@@ -101,6 +104,75 @@ TEST(ExpertShapeTest, FromClusterFile) {
   EXPECT_THAT(std::string(ValidateExpertShape(ExpertShapeFromCluster(*cluster)).message()),
               HasSubstr("init"));
   EXPECT_EQ(ParseWeightInit("fancy").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ExpertShapeTest, FromFlags) {
+  ExpertShapeFlags flags;
+  flags.num_experts = 8;
+  flags.num_groups = 4;
+  flags.num_layers = 2;
+  flags.d_model = 64;
+  flags.d_ff = 256;
+  flags.seed = 1;
+  absl::StatusOr<v1::ExpertShape> shape = ExpertShapeFromFlags(flags);
+  ASSERT_TRUE(shape.ok()) << shape.status();
+  EXPECT_TRUE(CheckExpertShape(Shape(), *shape, "flags").ok());
+  EXPECT_EQ(shape->matmul_dtype(), v1::DTYPE_UNSPECIFIED);
+
+  flags.dtype = "bfloat16";
+  flags.matmul_dtype = "bfloat16";
+  flags.init = "switch";
+  flags.n_layer = 4;
+  shape = ExpertShapeFromFlags(flags);
+  ASSERT_TRUE(shape.ok()) << shape.status();
+  EXPECT_EQ(shape->dtype(), v1::DTYPE_BFLOAT16);
+  EXPECT_EQ(shape->matmul_dtype(), v1::DTYPE_BFLOAT16);
+  EXPECT_EQ(shape->init(), v1::WEIGHT_INIT_SWITCH);
+  EXPECT_EQ(shape->n_layer(), 4);
+
+  flags.dtype = "fp8";
+  EXPECT_EQ(ExpertShapeFromFlags(flags).status().message(),
+            "--dtype: expected float32 or bfloat16, got 'fp8'");
+  flags.dtype = "float32";
+  flags.matmul_dtype = "fp16";
+  EXPECT_EQ(ExpertShapeFromFlags(flags).status().message(),
+            "--matmul_dtype: expected float32 or bfloat16, got 'fp16'");
+  flags.matmul_dtype = "float32";
+  flags.init = "fancy";
+  EXPECT_EQ(ExpertShapeFromFlags(flags).status().message(),
+            "--init: expected default or switch, got 'fancy'");
+}
+
+TEST(ExpertShapeTest, ArgsGiveTheShapeBack) {
+  EXPECT_THAT(ExpertShapeArgs(Shape()),
+              ::testing::ElementsAre("--num_groups=4", "--num_experts=8", "--num_layers=2",
+                                     "--d_model=64", "--d_ff=256", "--seed=1",
+                                     "--dtype=float32"));
+  v1::ExpertShape released = Shape();
+  released.set_dtype(v1::DTYPE_BFLOAT16);
+  released.set_matmul_dtype(v1::DTYPE_BFLOAT16);
+  released.set_init(v1::WEIGHT_INIT_SWITCH);
+  released.set_n_layer(4);
+  const std::vector<std::string> args = ExpertShapeArgs(released);
+  EXPECT_THAT(args, ::testing::ElementsAre("--num_groups=4", "--num_experts=8", "--num_layers=2",
+                                           "--d_model=64", "--d_ff=256", "--seed=1",
+                                           "--dtype=bfloat16", "--matmul_dtype=bfloat16",
+                                           "--init=switch", "--n_layer=4"));
+  // Read back as himoe-expert reads its flags.
+  ExpertShapeFlags flags;
+  flags.num_groups = 4;
+  flags.num_experts = 8;
+  flags.num_layers = 2;
+  flags.d_model = 64;
+  flags.d_ff = 256;
+  flags.seed = 1;
+  flags.dtype = "bfloat16";
+  flags.matmul_dtype = "bfloat16";
+  flags.init = "switch";
+  flags.n_layer = 4;
+  const absl::StatusOr<v1::ExpertShape> back = ExpertShapeFromFlags(flags);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(CheckExpertShape(released, *back, "flags").ok());
 }
 
 }  // namespace
