@@ -12,7 +12,7 @@
 
 namespace himoe::expert {
 
-// The expert group's Prometheus metrics (README "Metrics"), read from the
+// The expert group's Prometheus metrics (docs/operations.md, "Metrics reference"), read from the
 // core's counters at scrape time, plus the Forward compute-time histogram.
 // Every series carries the group label; experts are bounded by N.
 class ExpertMetrics : public prometheus::Collectable {

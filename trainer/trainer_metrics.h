@@ -14,7 +14,7 @@
 
 namespace himoe::trainer {
 
-// The trainer's Prometheus metrics (README "Metrics"). Labels are bounded:
+// The trainer's Prometheus metrics (docs/operations.md, "Metrics reference"). Labels are bounded:
 // loss kinds, MoE layers x groups x experts, groups x RPC names.
 class TrainerMetrics {
  public:
