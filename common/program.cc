@@ -15,8 +15,9 @@ namespace himoe {
 
 void ParseCommandLine(int argc, char** argv, absl::string_view usage) {
   // Debian builds abseil without NDEBUG, so every absl::Mutex lock (gRPC's
-  // included) updates a global lock-order graph: a lock pair took 3.5x as
-  // long with it. Lock order is checked under ThreadSanitizer instead.
+  // included) updates a global lock-order graph, which slows every lock
+  // (docs/benchmarks.md, "Measurements behind choices in the code"). Lock
+  // order is checked under ThreadSanitizer instead.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage(usage);
   // Abseil's default --help shows only flags of <program>.cc or
