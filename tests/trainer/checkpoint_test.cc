@@ -24,6 +24,7 @@
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 
+#include "absl/strings/match.h"
 #include "himoe/v1/model.pb.h"
 #include "common/file_util.h"
 #include "common/optimizer_state_key.h"
@@ -330,7 +331,15 @@ TEST(CheckpointTest, LoadRestoresExactlyWhatWasSaved) {
   auto b = MakeTrainer(o);
   ASSERT_NE(b, nullptr);
   ASSERT_TRUE(LoadCheckpoint(*b, root.path() + "/" + CheckpointDirName(2)).ok());
-  ExpectStatesEqual(FullState(*a), FullState(*b));
+  // The param groups' learning rate is not state: each step sets it from the
+  // schedule (DenseAdamWStateAndScheduleSurviveResume checks it).
+  auto without_lr = [](std::map<std::string, at::Tensor> state) {
+    for (auto it = state.begin(); it != state.end();) {
+      it = absl::EndsWith(it->first, ".lr") ? state.erase(it) : std::next(it);
+    }
+    return state;
+  };
+  ExpectStatesEqual(without_lr(FullState(*a)), without_lr(FullState(*b)));
   EXPECT_EQ(a->sampler().SerializeState(), b->sampler().SerializeState());
   EXPECT_EQ(b->step(), 2);
 }
