@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/types.h>

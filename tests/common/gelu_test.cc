@@ -1,5 +1,6 @@
 #include "common/gelu.h"
 
+#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <cmath>

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 namespace himoe {

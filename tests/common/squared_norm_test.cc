@@ -1,5 +1,6 @@
 #include "common/squared_norm.h"
 
+#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <cstdint>

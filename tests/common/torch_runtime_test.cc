@@ -1,5 +1,6 @@
 #include "common/torch_runtime.h"
 
+#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <stdexcept>

@@ -1,6 +1,7 @@
 #include "router_service/routing/dispatch_combine.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <algorithm>
