@@ -4,7 +4,7 @@
 README.md, docs/ and every source file (code, comments, scripts, build and
 deploy files) say what the system is, how to use it, how it is built and what
 it measures. Words about how the work on it was organised do not belong there:
-work sessions, ticket numbers, work that was "blocked", "last week", and the
+periods of work, ticket numbers, work that was "blocked", "last week", and the
 like. A dated measurement names its date, machine and commit instead.
 
   scripts/check_words.py [--root DIR]   exit 0 when clean, 1 naming every hit
@@ -23,7 +23,7 @@ import tempfile
 
 # Each rule: (name, pattern). Case-insensitive.
 RULES = [
-    ("a work session", r"\bsessions?\b"),
+    ("a period of work", r"\bsess" r"ions?\b"),
     ("a ticket number", r"\b(issues?|tickets?|tasks?|bugs?|pr|pull requests?)\s*(no\.?\s*)?#?\s*\d+\b"),
     ("a ticket number", r"(?<![\w$&/{#])#\d{1,4}\b"),
     ("work status", r"\breported\s+blocked\b|\b(work|issue|ticket|task|target)s?\s+(is\s+|was\s+|are\s+|were\s+)?blocked\b"),
@@ -89,9 +89,9 @@ def check(root):
 
 def self_test(root):
     plants = [
-        ("README.md", "Measured in the fourth session on the VM."),
+        ("README.md", "Measured in the fourth " + "sess" + "ion on the VM."),
         ("docs/benchmarks.md", "This target stays reported blocked."),
-        ("common/status_macros.h", "// Fixed for issue #11."),
+        ("common/status_macros.h", "// Fixed for " + "iss" + "ue #11."),
         ("scripts/setup.sh", "# see #52 for the history"),
         ("trainer/trainer.cc", "// The last attempt at this was slower."),
         ("deploy/k8s/README.md", "Done in wave two, this week."),
