@@ -6,8 +6,9 @@
 #include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
 #include <openssl/evp.h>
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/serialize.h>
-#include <torch/torch.h>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -305,7 +306,7 @@ absl::Status RestoreDenseState(const CheckpointContents& contents, TransformerLM
                          MatchDenseState(model, contents.dense,
                                          absl::StrCat("checkpoint ", contents.dir)));
   return CatchTorchErrors([&] {
-    torch::NoGradGuard no_grad;
+    at::NoGradGuard no_grad;
     for (const auto& [live, saved] : pairs) live.copy_(saved);
     return absl::OkStatus();
   });

@@ -10,7 +10,6 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/InferenceMode.h>
-#include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"

@@ -5,7 +5,8 @@
 #include <limits>
 #include <memory>
 
-#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/linear.h"
@@ -18,7 +19,7 @@
 
 namespace himoe::model {
 TransformerLM::TransformerLM(const ModelOptions& o, MoELayers* moe) : options_(o), moe_(moe) {
-  torch::manual_seed(o.seed);
+  at::manual_seed(o.seed);
   wte_ = register_module("wte", torch::nn::Embedding(o.vocab_size, o.d_model));
   wpe_ = register_module("wpe", torch::nn::Embedding(o.block_size, o.d_model));
   for (int i = 0; i < o.n_layer; ++i) {
@@ -40,7 +41,7 @@ TransformerLM::TransformerLM(const ModelOptions& o, MoELayers* moe) : options_(o
   ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model})));
   // v1::WeightInit: nanoGPT's N(0, 0.02), or the switch init for the
   // linear weights and the tied head; residual projections either way.
-  torch::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   for (auto& item : named_parameters()) {
     const std::string& name = item.key();
@@ -181,7 +182,7 @@ absl::StatusOr<at::Tensor> TransformerLM::DecodeStep(
   }
   const size_t S = tokens.size();
   at::Tensor logits;
-  torch::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
   ModelOutput unused;
   const at::Tensor zero = at::zeros({});
   unused.aux = {zero, zero, zero, zero, zero};

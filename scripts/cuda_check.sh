@@ -117,7 +117,7 @@ build() {
     || { tail -40 "${OUT}/configure.log"; return 1; }
   say build
   # shellcheck disable=SC2086
-  ninja -C "${B}" -k 0 ${HIMOE_CHECK_TARGETS:-common_test metrics_tls_test expert_test \
+  ninja -C "${B}" -k 0 ${HIMOE_CHECK_TARGETS:-common_test metrics_tls_test expert_service_test \
     himoe_expert_main himoe_trainer_main himoe_cluster_main himoe_router_main} \
     > "${OUT}/build.log" 2>&1 \
     || { grep -E "error|FAILED" "${OUT}/build.log" | head -60; return 1; }
@@ -127,7 +127,7 @@ tests() {
   deps_env
   say "CUDA tests"
   local log="${OUT}/tests.log"
-  "${B}/tests/expert_service/expert_test" --gtest_filter='*Cuda*' > "${log}" 2>&1 &&
+  "${B}/tests/expert_service/expert_service_test" --gtest_filter='*Cuda*' > "${log}" 2>&1 &&
     "${B}/tests/common/common_test" \
       --gtest_filter='*Cuda*:MetricsInTorchProcessTest.Serves*:MetricsInTorchProcessTest.Unknown*' \
       >> "${log}" 2>&1 &&

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -47,6 +48,14 @@ inline void WriteTextFile(const std::string& path, absl::string_view text) {
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
   EXPECT_TRUE(out.good()) << path;
 }
+
+// The whole of `path`, or "" when it cannot be read.
+inline std::string ReadTextFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+inline bool PathExists(const std::string& path) { return KindOf(path) != PathKind::kMissing; }
 
 }  // namespace himoe::test_util
 

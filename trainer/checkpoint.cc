@@ -14,8 +14,10 @@
 
 #include <google/protobuf/text_format.h>
 #include <google/protobuf/util/message_differencer.h>
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/optim/adamw.h>
 #include <torch/serialize.h>
-#include <torch/torch.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -73,7 +75,7 @@ class CheckpointFileWriter {
 absl::Status WriteCheckpointFiles(Trainer& trainer, CheckpointFileWriter& out) {
   std::string dense, optimizer;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-    torch::NoGradGuard no_grad;
+    at::NoGradGuard no_grad;
     dense = Pickle(model::DenseState(trainer.model()));
     std::ostringstream stream;
     torch::save(trainer.optimizer(), stream);
@@ -282,7 +284,7 @@ absl::Status Apply(Trainer& trainer, ValidatedCheckpoint& c, const std::string& 
     }
   }
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-    torch::NoGradGuard no_grad;
+    at::NoGradGuard no_grad;
     for (const auto& [live, saved] : c.dense) live.copy_(saved);
     std::istringstream in(c.files[kOptimizerFile]);
     torch::load(trainer.optimizer(), in);

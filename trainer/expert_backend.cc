@@ -7,7 +7,8 @@
 #include <mutex>
 
 #include <glog/logging.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/expert_shape.h"

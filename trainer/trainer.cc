@@ -8,8 +8,11 @@
 #include <future>
 #include <random>
 
+#include <ATen/ATen.h>
 #include <ATen/ThreadLocalState.h>
-#include <torch/torch.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/optim/adamw.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -324,7 +327,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
                              ? options_.grad_clip / (r.grad_norm + 1e-6)
                              : 1.0;
     {
-      torch::NoGradGuard no_grad;
+      at::NoGradGuard no_grad;
       for (const auto& p : model_->parameters()) {
         if (p.grad().defined()) p.grad().mul_(scale);
       }
@@ -364,7 +367,7 @@ absl::StatusOr<EvalResult> Trainer::Evaluate() {
   int64_t batches = 0;
   std::vector<std::vector<router::RoutingStats>> per_layer(model_->num_moe_layers());
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
-    torch::NoGradGuard no_grad;
+    at::NoGradGuard no_grad;
     model_->eval();
     for (int64_t i = 0; i < eval_->num_batches(); ++i) {
       const Batch batch = eval_->GetBatch(i);

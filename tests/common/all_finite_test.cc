@@ -1,6 +1,6 @@
 #include "common/all_finite.h"
 
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <limits>
@@ -14,13 +14,13 @@ namespace {
 // middle and the last place (inside and past the 256-element blocks), in
 // every floating dtype, contiguous or not.
 TEST(AllFiniteTest, MatchesIsfiniteForEveryFloatingTypeAndPlace) {
-  torch::manual_seed(3);
+  at::manual_seed(3);
   const float kBad[] = {std::numeric_limits<float>::quiet_NaN(),
                         std::numeric_limits<float>::infinity(),
                         -std::numeric_limits<float>::infinity()};
   for (const at::ScalarType dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
     for (const int64_t n : {int64_t{1}, int64_t{255}, int64_t{256}, int64_t{257}, int64_t{1000}}) {
-      const at::Tensor clean = torch::randn({n}).mul(100).to(dtype);
+      const at::Tensor clean = at::randn({n}).mul(100).to(dtype);
       EXPECT_TRUE(AllFinite(clean)) << c10::toString(dtype) << " " << n;
       for (const float bad : kBad) {
         for (const int64_t at : {int64_t{0}, n / 2, n - 1}) {
@@ -34,23 +34,23 @@ TEST(AllFiniteTest, MatchesIsfiniteForEveryFloatingTypeAndPlace) {
     }
   }
   // The largest finite values and the smallest subnormals are finite.
-  EXPECT_TRUE(AllFinite(torch::tensor({std::numeric_limits<float>::max(),
+  EXPECT_TRUE(AllFinite(at::tensor({std::numeric_limits<float>::max(),
                                        -std::numeric_limits<float>::max(),
                                        std::numeric_limits<float>::denorm_min(), 0.0f, -0.0f})));
-  EXPECT_TRUE(AllFinite(torch::tensor({65504.0f, -65504.0f}).to(at::kHalf)));
+  EXPECT_TRUE(AllFinite(at::tensor({65504.0f, -65504.0f}).to(at::kHalf)));
 }
 
 TEST(AllFiniteTest, ViewsEmptyAndIntegerTensors) {
-  at::Tensor m = torch::randn({64, 48});
+  at::Tensor m = at::randn({64, 48});
   m[5][40] = std::numeric_limits<float>::quiet_NaN();
   // A transposed view and a slice that leaves the NaN out.
   EXPECT_FALSE(AllFinite(m.t()));
   EXPECT_TRUE(AllFinite(m.narrow(0, 6, 58).t()));
   EXPECT_TRUE(AllFinite(m.narrow(1, 0, 40)));
-  EXPECT_TRUE(AllFinite(torch::empty({0, 256})));
-  EXPECT_TRUE(AllFinite(torch::arange(10)));  // int64: always finite, as at::isfinite
+  EXPECT_TRUE(AllFinite(at::empty({0, 256})));
+  EXPECT_TRUE(AllFinite(at::arange(10)));  // int64: always finite, as at::isfinite
   // A leaf that requires grad is read without a graph.
-  EXPECT_TRUE(AllFinite(torch::ones({3}, torch::requires_grad())));
+  EXPECT_TRUE(AllFinite(at::ones({3}).requires_grad_()));
 }
 
 }  // namespace

@@ -20,38 +20,14 @@
 #include "common/blas_library.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/common/hand_matmul.h"
 #include "tests/temp_dir.h"
 
 namespace himoe {
 namespace {
 
 using ::testing::HasSubstr;
-
-// c = a @ b checked entry by entry against double sums.
-void ExpectMatmulMatchesHandSums() {
-  const at::Tensor a = at::randn({96, 64});
-  const at::Tensor b = at::randn({64, 80});
-  const at::Tensor c = at::mm(a, b);
-  const auto ac = a.accessor<float, 2>();
-  const auto bc = b.accessor<float, 2>();
-  const auto cc = c.accessor<float, 2>();
-  double worst = 0;
-  for (int i = 0; i < 96; ++i) {
-    for (int j = 0; j < 80; ++j) {
-      double sum = 0;
-      for (int k = 0; k < 64; ++k) sum += static_cast<double>(ac[i][k]) * bc[k][j];
-      worst = std::max(worst, std::abs(sum - cc[i][j]));
-    }
-  }
-  EXPECT_LT(worst, 1e-3);
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using test_util::ExpectMatmulMatchesHandSums;
 
 KernelProbe Probe(const std::string& name, double gflops, const std::string& error = "") {
   KernelProbe p;
@@ -123,7 +99,7 @@ TEST(BlasKernelProbeTest, TheKernelChoiceIsCachedForThisCpuAndBlis) {
   }
   ASSERT_EQ(first.source, "probed");
   const std::vector<std::string> lines =
-      absl::StrSplit(ReadFile(cache_file), '\n', absl::SkipEmpty());
+      absl::StrSplit(test_util::ReadTextFile(cache_file), '\n', absl::SkipEmpty());
   ASSERT_EQ(lines.size(), 2u);
   const std::string key = lines[0];
   EXPECT_THAT(key, HasSubstr("model name="));
@@ -147,7 +123,7 @@ TEST(BlasKernelProbeTest, TheKernelChoiceIsCachedForThisCpuAndBlis) {
     const BlisKernelChoice again = SelectBlisKernels(/*probe=*/true, cache_file);
     EXPECT_EQ(again.source, "probed");
     EXPECT_FALSE(again.probes.empty());
-    EXPECT_EQ(ReadFile(cache_file), absl::StrCat(key, "\n", again.kernels, "\n"));
+    EXPECT_EQ(test_util::ReadTextFile(cache_file), absl::StrCat(key, "\n", again.kernels, "\n"));
   }
   ExpectMatmulMatchesHandSums();
 }
@@ -162,7 +138,7 @@ TEST(BlasKernelProbeTest, WithoutTheProbeBlisChooses) {
   EXPECT_EQ(choice.source, "library");
   EXPECT_FALSE(choice.kernels.empty());
   EXPECT_TRUE(choice.probes.empty());
-  EXPECT_EQ(ReadFile(temp.Sub("blis-kernels")), "");
+  EXPECT_EQ(test_util::ReadTextFile(temp.Sub("blis-kernels")), "");
 }
 
 // BLIS 0.9 reads a number: 'generic' is the last of its kernel sets.

@@ -17,6 +17,7 @@
 #include "common/linear.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/common/hand_matmul.h"
 
 namespace himoe {
 namespace {
@@ -25,25 +26,7 @@ using ::testing::Contains;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
-
-// c = a @ b checked entry by entry against double sums.
-void ExpectMatmulMatchesHandSums() {
-  const at::Tensor a = at::randn({96, 64});
-  const at::Tensor b = at::randn({64, 80});
-  const at::Tensor c = at::mm(a, b);
-  const auto ac = a.accessor<float, 2>();
-  const auto bc = b.accessor<float, 2>();
-  const auto cc = c.accessor<float, 2>();
-  double worst = 0;
-  for (int i = 0; i < 96; ++i) {
-    for (int j = 0; j < 80; ++j) {
-      double sum = 0;
-      for (int k = 0; k < 64; ++k) sum += static_cast<double>(ac[i][k]) * bc[k][j];
-      worst = std::max(worst, std::abs(sum - cc[i][j]));
-    }
-  }
-  EXPECT_LT(worst, 1e-3);
-}
+using test_util::ExpectMatmulMatchesHandSums;
 
 bool IsBlis(const ComputeSetup& setup) { return setup.blas.rfind("BLIS", 0) == 0; }
 

@@ -7,23 +7,14 @@
 #include "common/cluster_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/small_expert_shape.h"
 
 namespace himoe {
 namespace {
 
 using ::testing::HasSubstr;
 
-v1::ExpertShape Shape() {
-  v1::ExpertShape s;
-  s.set_num_experts(8);
-  s.set_num_groups(4);
-  s.set_num_layers(2);
-  s.set_d_model(64);
-  s.set_d_ff(256);
-  s.set_seed(1);
-  s.set_dtype(v1::DTYPE_FLOAT32);
-  return s;
-}
+v1::ExpertShape Shape() { return test_util::SmallExpertShape(1); }
 
 TEST(ExpertShapeTest, ValidShapePassesAndEachBadFieldIsNamed) {
   EXPECT_TRUE(ValidateExpertShape(Shape()).ok());

@@ -1,7 +1,7 @@
 #include "common/gelu.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/torch.h>
 
 #include <cmath>
 #include <cstdint>
@@ -50,26 +50,26 @@ TEST(GeluTest, IsTheExactGeluInDouble) {
     GeluOut(ys, small);
     EXPECT_LT(MaxAbsError(ys, Map(small, GeluDouble)), 1e-9) << n << " values";
   }
-  torch::manual_seed(1);
-  const at::Tensor x = torch::randn({256, 512}) * 3;
+  at::manual_seed(1);
+  const at::Tensor x = at::randn({256, 512}) * 3;
   at::Tensor y = at::empty_like(x);
   GeluOut(y, x);
   EXPECT_LT(MaxAbsError(y, Map(x, GeluDouble)), 1e-6);
 }
 
 TEST(GeluTest, BackwardIsTheDerivativeInDouble) {
-  torch::manual_seed(2);
+  at::manual_seed(2);
   for (const int64_t n : {1, 15, 16, 33, 4096 + 7}) {
     const at::Tensor x = at::linspace(-12.0, 12.0, n);
-    const at::Tensor grad = torch::randn({n});
+    const at::Tensor grad = at::randn({n});
     at::Tensor g = at::empty_like(x);
     GeluBackwardOut(g, grad, x);
     const at::Tensor want = grad.to(at::kDouble) * Map(x, GeluGradDouble);
     EXPECT_LT(MaxAbsError(g, want), 2e-6 * grad.abs().max().item<double>()) << n << " values";
   }
   // In place over the incoming gradient, as the expert FFN's backward calls it.
-  const at::Tensor x = torch::randn({64, 48});
-  at::Tensor grad = torch::randn({64, 48});
+  const at::Tensor x = at::randn({64, 48});
+  at::Tensor grad = at::randn({64, 48});
   const at::Tensor want = grad.to(at::kDouble) * Map(x, GeluGradDouble);
   GeluBackwardOut(grad, grad, x);
   EXPECT_LT(MaxAbsError(grad, want), 1e-5);
@@ -79,8 +79,8 @@ TEST(GeluTest, BackwardIsTheDerivativeInDouble) {
 // tail, a thread's share), so it is the same alone and in a large tensor,
 // whatever the thread count.
 TEST(GeluTest, AValueIsTheSameAloneAndInABatch) {
-  torch::manual_seed(4);
-  const at::Tensor x = torch::randn({100003});
+  at::manual_seed(4);
+  const at::Tensor x = at::randn({100003});
   const int threads = at::get_num_threads();
   at::Tensor one_thread = at::empty_like(x), two_threads = at::empty_like(x);
   at::set_num_threads(1);
@@ -98,7 +98,7 @@ TEST(GeluTest, AValueIsTheSameAloneAndInABatch) {
 
 TEST(GeluTest, NonFiniteInputsPropagate) {
   const float inf = std::numeric_limits<float>::infinity();
-  const at::Tensor x = torch::tensor({std::nanf(""), inf, -inf, 0.0f});
+  const at::Tensor x = at::tensor({std::nanf(""), inf, -inf, 0.0f});
   at::Tensor y = at::empty_like(x);
   GeluOut(y, x);
   EXPECT_TRUE(std::isnan(y[0].item<float>()));
@@ -112,19 +112,19 @@ TEST(GeluTest, NonFiniteInputsPropagate) {
 
 // Other tensors (non-contiguous, double) take LibTorch's GELU.
 TEST(GeluTest, OtherTensorsTakeLibTorchsGelu) {
-  torch::manual_seed(5);
-  const at::Tensor wide = torch::randn({300, 40});
+  at::manual_seed(5);
+  const at::Tensor wide = at::randn({300, 40});
   const at::Tensor strided = wide.t();
   at::Tensor y = at::empty(strided.sizes()), want = at::empty(strided.sizes());
   GeluOut(y, strided);
   at::gelu_out(want, strided);
   EXPECT_TRUE(at::equal(y, want));
-  const at::Tensor d = torch::randn({300, 8}, at::kDouble);
+  const at::Tensor d = at::randn({300, 8}, at::kDouble);
   at::Tensor yd = at::empty_like(d);
   GeluOut(yd, d);
   EXPECT_TRUE(at::equal(yd, at::gelu(d)));
   at::Tensor gd = at::empty_like(d);
-  const at::Tensor grad = torch::randn({300, 8}, at::kDouble);
+  const at::Tensor grad = at::randn({300, 8}, at::kDouble);
   GeluBackwardOut(gd, grad, d);
   EXPECT_TRUE(at::equal(gd, at::gelu_backward(grad, d)));
 }

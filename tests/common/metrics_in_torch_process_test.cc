@@ -9,7 +9,7 @@
 #include <prometheus/exposer.h>
 #include <prometheus/registry.h>
 #include <stdlib.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 
 #include <iostream>
 #include <memory>
@@ -37,9 +37,9 @@ using ::testing::Not;
 // Multiplies two random 256x256 matrices (through BLAS sgemm) and checks one
 // entry against a dot product computed by hand.
 void MatmulMatchesManualDotProduct() {
-  const at::Tensor a = torch::randn({256, 256});
-  const at::Tensor b = torch::randn({256, 256});
-  const at::Tensor c = torch::mm(a, b);
+  const at::Tensor a = at::randn({256, 256});
+  const at::Tensor b = at::randn({256, 256});
+  const at::Tensor c = at::mm(a, b);
   const auto ac = a.accessor<float, 2>();
   const auto bc = b.accessor<float, 2>();
   constexpr int kRow = 17, kCol = 201;
@@ -77,7 +77,7 @@ class MetricsInTorchProcessTest : public ::testing::Test {
     absl::StatusOr<ComputeSetup> setup = ConfigureCompute(ComputeOptions());
     ASSERT_TRUE(setup.ok()) << setup.status();
     std::cout << setup->Summary() << "; loaded TLS " << LoadedTlsBytes() << " bytes" << std::endl;
-    torch::manual_seed(7);
+    at::manual_seed(7);
     MatmulMatchesManualDotProduct();
 
     absl::StatusOr<std::unique_ptr<prometheus::Exposer>> exposer =

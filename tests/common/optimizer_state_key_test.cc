@@ -1,6 +1,7 @@
 #include "common/optimizer_state_key.h"
 
-#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <torch/optim/adamw.h>
 
 #include <type_traits>
 #include <vector>
@@ -14,8 +15,8 @@ namespace {
 // (text of the TensorImpl address on LibTorch 1.13, the address on 2.x), and
 // only that parameter's.
 TEST(OptimizerStateKeyTest, FindsTheStateTorchFiledForEachParameter) {
-  at::Tensor a = torch::ones({3}, torch::requires_grad());
-  at::Tensor b = torch::ones({2, 2}, torch::requires_grad());
+  at::Tensor a = at::ones({3}).requires_grad_();
+  at::Tensor b = at::ones({2, 2}).requires_grad_();
   torch::optim::AdamW adamw(std::vector<at::Tensor>{a, b}, torch::optim::AdamWOptions(0.1));
   (a.sum() + 2 * b.sum()).backward();
   adamw.step();
@@ -28,9 +29,9 @@ TEST(OptimizerStateKeyTest, FindsTheStateTorchFiledForEachParameter) {
     EXPECT_EQ(state.step(), 1);
     EXPECT_TRUE(state.exp_avg().sizes().equals(p.sizes()));
     // AdamW's first moment after one step: (1 - beta1) * grad.
-    EXPECT_TRUE(torch::allclose(state.exp_avg(), 0.1 * p.grad()));
+    EXPECT_TRUE(at::allclose(state.exp_avg(), 0.1 * p.grad()));
   }
-  const at::Tensor other = torch::ones({3});
+  const at::Tensor other = at::ones({3});
   EXPECT_EQ(adamw.state().count(OptimizerStateKey<Key>(other.unsafeGetTensorImpl())), 0u);
 }
 

@@ -1,7 +1,7 @@
 #include "common/squared_norm.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/torch.h>
 
 #include <cstdint>
 
@@ -13,10 +13,10 @@ namespace {
 // Against a long-double sum of the squares, at sizes around the block and
 // the 8-wide unroll, on a non-contiguous view too.
 TEST(SquaredNormTest, MatchesTheSumOfSquares) {
-  torch::manual_seed(5);
+  at::manual_seed(5);
   for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{9}, kSquaredNormBlock - 1,
                           kSquaredNormBlock, 3 * kSquaredNormBlock + 5}) {
-    const at::Tensor t = torch::randn({n});
+    const at::Tensor t = at::randn({n});
     long double want = 0;
     const float* x = t.data_ptr<float>();
     for (int64_t i = 0; i < n; ++i) want += static_cast<long double>(x[i]) * x[i];
@@ -24,8 +24,8 @@ TEST(SquaredNormTest, MatchesTheSumOfSquares) {
         << n << " elements";
   }
   // {3, 4} and {12} by hand: 9 + 16 + 144.
-  EXPECT_EQ(SquaredNorm(torch::tensor({3.0f, 4.0f, 12.0f})), 169.0);
-  const at::Tensor m = torch::randn({64, 48});
+  EXPECT_EQ(SquaredNorm(at::tensor({3.0f, 4.0f, 12.0f})), 169.0);
+  const at::Tensor m = at::randn({64, 48});
   const at::Tensor view = m.t();  // not contiguous
   EXPECT_NEAR(SquaredNorm(view), m.to(at::kDouble).square().sum().item<double>(),
               1e-12 * m.numel());
@@ -35,8 +35,8 @@ TEST(SquaredNormTest, MatchesTheSumOfSquares) {
 
 // The block sums add in order whatever the thread count.
 TEST(SquaredNormTest, SameBitsOnOneAndTwoThreads) {
-  torch::manual_seed(6);
-  const at::Tensor t = torch::randn({5 * kSquaredNormBlock + 123});
+  at::manual_seed(6);
+  const at::Tensor t = at::randn({5 * kSquaredNormBlock + 123});
   const int saved = at::get_num_threads();
   at::set_num_threads(1);
   const double one = SquaredNorm(t);

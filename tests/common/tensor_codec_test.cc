@@ -1,6 +1,6 @@
 #include "common/tensor_codec.h"
 
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <limits>
@@ -48,17 +48,17 @@ constexpr DTypePair kAllDTypes[] = {
 };
 
 at::Tensor RandomTensor(c10::ScalarType type, at::IntArrayRef shape) {
-  const auto options = torch::TensorOptions().dtype(type);
+  const auto options = at::TensorOptions().dtype(type);
   switch (type) {
     case c10::kLong:
-      return torch::randint(-(int64_t{1} << 62), int64_t{1} << 62, shape,
+      return at::randint(-(int64_t{1} << 62), int64_t{1} << 62, shape,
                             options);
     case c10::kInt:
-      return torch::randint(std::numeric_limits<int32_t>::min(),
+      return at::randint(std::numeric_limits<int32_t>::min(),
                             std::numeric_limits<int32_t>::max(), shape,
                             options);
     default:
-      return (torch::randn(shape) * 100).to(type);
+      return (at::randn(shape) * 100).to(type);
   }
 }
 
@@ -88,7 +88,7 @@ class TensorCodecRoundTripTest
 
 TEST_P(TensorCodecRoundTripTest, IsBitExact) {
   const auto& [dtype, shape] = GetParam();
-  torch::manual_seed(1234);
+  at::manual_seed(1234);
   const at::Tensor original = RandomTensor(dtype.torch, shape);
   ASSERT_EQ(original.scalar_type(), dtype.torch);
 
@@ -104,7 +104,7 @@ TEST_P(TensorCodecRoundTripTest, IsBitExact) {
   EXPECT_EQ(decoded->sizes(), original.sizes());
   EXPECT_TRUE(decoded->device().is_cpu());
   EXPECT_TRUE(decoded->is_contiguous());
-  EXPECT_TRUE(torch::equal(*decoded, original));
+  EXPECT_TRUE(at::equal(*decoded, original));
   EXPECT_EQ(RawBytes(*decoded), RawBytes(original));
   if (decoded->numel() > 0) {
     // The decoded tensor owns its bytes rather than aliasing the message.
@@ -140,7 +140,7 @@ INSTANTIATE_TEST_SUITE_P(
                                          std::vector<int64_t>{2, 3, 4, 5})),
     RoundTripName);
 
-// torch::equal treats -0 == 0 and NaN != NaN, so special values are checked
+// at::equal treats -0 == 0 and NaN != NaN, so special values are checked
 // byte for byte.
 class TensorCodecSpecialValuesTest
     : public ::testing::TestWithParam<DTypePair> {};
@@ -148,7 +148,7 @@ class TensorCodecSpecialValuesTest
 TEST_P(TensorCodecSpecialValuesTest, PreservesBitPatterns) {
   const float inf = std::numeric_limits<float>::infinity();
   const at::Tensor original =
-      torch::tensor({0.0f, -0.0f, inf, -inf,
+      at::tensor({0.0f, -0.0f, inf, -inf,
                      std::numeric_limits<float>::quiet_NaN(), 1e-40f, 65504.0f})
           .to(GetParam().torch);
   v1::Tensor proto;
@@ -170,7 +170,7 @@ INSTANTIATE_TEST_SUITE_P(FloatTypes, TensorCodecSpecialValuesTest,
 TEST(TensorCodecTest, NonContiguousInputIsEncodedInLogicalRowMajorOrder) {
   // [[0, 1, 2], [3, 4, 5]] transposed is [[0, 3], [1, 4], [2, 5]].
   const at::Tensor transposed =
-      torch::arange(6, torch::kFloat).reshape({2, 3}).t();
+      at::arange(6, at::kFloat).reshape({2, 3}).t();
   ASSERT_FALSE(transposed.is_contiguous());
 
   v1::Tensor proto;
@@ -183,7 +183,7 @@ TEST(TensorCodecTest, NonContiguousInputIsEncodedInLogicalRowMajorOrder) {
 
   const absl::StatusOr<at::Tensor> decoded = DecodeTensor(proto);
   ASSERT_TRUE(decoded.ok()) << decoded.status();
-  EXPECT_TRUE(torch::equal(*decoded, transposed));
+  EXPECT_TRUE(at::equal(*decoded, transposed));
 }
 
 TEST(TensorCodecTest, EncodeRejectsUndefinedAndUnsupportedTensors) {
@@ -191,14 +191,14 @@ TEST(TensorCodecTest, EncodeRejectsUndefinedAndUnsupportedTensors) {
   EXPECT_EQ(EncodeTensor(at::Tensor(), &proto).code(),
             absl::StatusCode::kInvalidArgument);
   const absl::Status status =
-      EncodeTensor(torch::ones({2}, torch::kDouble), &proto);
+      EncodeTensor(at::ones({2}, at::kDouble), &proto);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("Double"));
 }
 
 TEST(TensorCodecTest, TakeTensorAliasesTheMessageBytesAndOutlivesTheMessage) {
-  torch::manual_seed(7);
-  const at::Tensor original = torch::randn({64, 256});
+  at::manual_seed(7);
+  const at::Tensor original = at::randn({64, 256});
   at::Tensor taken;
   const void* bytes = nullptr;
   {
@@ -214,9 +214,9 @@ TEST(TensorCodecTest, TakeTensorAliasesTheMessageBytesAndOutlivesTheMessage) {
   // No copy: the tensor's storage is the message's former buffer, still
   // valid (and writable) after the message is gone.
   EXPECT_EQ(taken.data_ptr(), bytes);
-  EXPECT_TRUE(torch::equal(taken, original));
+  EXPECT_TRUE(at::equal(taken, original));
   taken.add_(1);
-  EXPECT_TRUE(torch::allclose(taken, original + 1));
+  EXPECT_TRUE(at::allclose(taken, original + 1));
 }
 
 TEST(TensorCodecTest, DefaultFieldNameIsTensor) {

@@ -1,7 +1,8 @@
 #include "common/torch_runtime.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/torch.h>
+#include <torch/cuda.h>
 
 #include <stdexcept>
 
@@ -68,7 +69,7 @@ TEST(TorchRuntimeTest, CudaDependsOnTheBuild) {
 
 TEST(TorchRuntimeTest, CatchTorchErrorsConvertsExceptions) {
   const absl::Status torch_error = CatchTorchErrors([]() -> absl::Status {
-    (void)torch::mm(torch::ones({2, 3}), torch::ones({2, 3}));
+    (void)at::mm(at::ones({2, 3}), at::ones({2, 3}));
     return absl::OkStatus();
   });
   EXPECT_EQ(torch_error.code(), absl::StatusCode::kInternal);

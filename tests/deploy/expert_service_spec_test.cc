@@ -6,23 +6,14 @@
 #include "deploy/local/local_cluster.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/small_expert_shape.h"
 
 namespace himoe::local {
 namespace {
 
 using ::testing::ElementsAre;
 
-v1::ExpertShape Shape() {
-  v1::ExpertShape s;
-  s.set_num_experts(8);
-  s.set_num_groups(4);
-  s.set_num_layers(2);
-  s.set_d_model(64);
-  s.set_d_ff(256);
-  s.set_seed(7);
-  s.set_dtype(v1::DTYPE_FLOAT32);
-  return s;
-}
+v1::ExpertShape Shape() { return test_util::SmallExpertShape(7); }
 
 TEST(ExpertServiceSpecTest, PlainGroupOnLoopback) {
   ExpertProcessOptions o;

@@ -31,13 +31,14 @@
 #include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/cpu_cores.h"
 #include "common/file_util.h"
 #include "common/tensor_codec.h"
 #include "proto/tls_credentials.h"
+#include "tests/deploy/child_checks.h"
 #include "tests/http_get.h"
 #include "tests/temp_dir.h"
 #include "himoe/v1/expert.grpc.pb.h"
@@ -50,29 +51,17 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
+using test_util::NoChildLeft;
+using test_util::PathExists;
+using test_util::ProcessGone;
+using test_util::ReadTextFile;
+using test_util::WriteTextFile;
 using Clock = std::chrono::steady_clock;
 
 // Generous bounds: a hung launcher fails the test instead of hanging it.
 constexpr auto kReadyBound = std::chrono::seconds(180);
 constexpr auto kExitBound = std::chrono::seconds(60);
 constexpr int kReadyTimeoutFlagS = 120;
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-void WriteFile(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::trunc);
-  out << text;
-}
-
-bool Exists(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0;
-}
 
 // Free loopback ports: all bound at once (so they differ), then released.
 std::vector<int> FreeLoopbackPorts(int n) {
@@ -103,8 +92,6 @@ pid_t ReadPid(const std::string& path) {
   if (!(in >> pid)) return -1;
   return pid;
 }
-
-bool ProcessGone(pid_t pid) { return kill(pid, 0) != 0 && errno == ESRCH; }
 
 // Bounded wait until `pid` no longer exists (a zombie still exists).
 bool WaitGone(pid_t pid, std::chrono::seconds bound) {
@@ -143,8 +130,8 @@ class LauncherProcess {
   }
 
   pid_t pid() const { return pid_; }
-  std::string Stdout() const { return ReadFile(stdout_path_); }
-  std::string Stderr() const { return ReadFile(stderr_path_); }
+  std::string Stdout() const { return ReadTextFile(stdout_path_); }
+  std::string Stderr() const { return ReadTextFile(stderr_path_); }
   std::string Output() const {
     return absl::StrCat("--- stdout:\n", Stdout(), "--- stderr:\n", Stderr());
   }
@@ -210,13 +197,6 @@ class LauncherProcess {
   std::string stdout_path_, stderr_path_;
 };
 
-// True when this process has no child at all, reaped or not (after the
-// launcher's exit its leftovers would be re-parented here).
-bool NoChildLeft() {
-  int status = 0;
-  return waitpid(-1, &status, WNOHANG) < 0 && errno == ECHILD;
-}
-
 std::string BuildRoot() {
   // <build>/expert_service/himoe-expert -> <build>
   return Dirname(Dirname(HIMOE_EXPERT_BINARY));
@@ -250,9 +230,9 @@ class LauncherTest : public ::testing::Test {
   void SetUp() override {
     ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
     ASSERT_FALSE(dir_.path().empty());
-    ASSERT_TRUE(Exists(HIMOE_CLUSTER_BINARY));
-    ASSERT_TRUE(Exists(HIMOE_EXPERT_BINARY));
-    ASSERT_TRUE(Exists(HIMOE_ROUTER_BINARY));
+    ASSERT_TRUE(PathExists(HIMOE_CLUSTER_BINARY));
+    ASSERT_TRUE(PathExists(HIMOE_EXPERT_BINARY));
+    ASSERT_TRUE(PathExists(HIMOE_ROUTER_BINARY));
   }
 
   // Writes a 2-group cluster on free loopback ports and starts the launcher on
@@ -268,7 +248,7 @@ class LauncherTest : public ::testing::Test {
     group_metrics_ports_ = group_metrics ? std::vector<int>{ports[3], ports[4]}
                                          : std::vector<int>{0, 0};
     cluster_file_ = dir_.path() + "/cluster.textproto";
-    WriteFile(cluster_file_, SmallCluster(ports[0], ports[1], ports[2], group_metrics_ports_[0],
+    WriteTextFile(cluster_file_, SmallCluster(ports[0], ports[1], ports[2], group_metrics_ports_[0],
                                           group_metrics_ports_[1], threads, router_extra_) +
                                  cluster_extra_);
     log_dir_ = dir_.path() + "/logs";
@@ -297,7 +277,7 @@ class LauncherTest : public ::testing::Test {
   void RouteFiveTokens(LauncherProcess& launcher) {
     auto router = v1::RouterService::NewStub(grpc::CreateChannel(
         absl::StrCat("127.0.0.1:", router_port_), grpc::InsecureChannelCredentials()));
-    const at::Tensor hidden = torch::randn({5, 16});
+    const at::Tensor hidden = at::randn({5, 16});
     v1::RouteForwardRequest request;
     request.set_layer(0);
     ASSERT_TRUE(EncodeTensor(hidden, request.mutable_hidden()).ok());
@@ -310,7 +290,7 @@ class LauncherTest : public ::testing::Test {
     ASSERT_TRUE(output.ok()) << output.status();
     EXPECT_EQ(output->sizes(), (std::vector<int64_t>{5, 16}));
     EXPECT_EQ(output->scalar_type(), at::kFloat);
-    EXPECT_TRUE(torch::isfinite(*output).all().item<bool>());
+    EXPECT_TRUE(at::isfinite(*output).all().item<bool>());
     EXPECT_GT(output->abs().sum().item<float>(), 0.0f);
   }
 
@@ -331,14 +311,14 @@ TEST_F(LauncherTest, StartsServesAndStopsOnSigint) {
 
   // The logs are where the table says, each headed by its command line: the
   // launcher found the binaries of this build tree by itself.
-  const std::string expert_log = ReadFile(log_dir_ + "/expert-0.log");
+  const std::string expert_log = ReadTextFile(log_dir_ + "/expert-0.log");
   EXPECT_THAT(expert_log, HasSubstr(CanonicalPath(HIMOE_EXPERT_BINARY).value_or("?")));
   EXPECT_THAT(expert_log, HasSubstr("--group_id=0"));
   EXPECT_THAT(expert_log, HasSubstr("--threads=1 "));  // as the cluster file says
   // --address is host:port on every binary; the expert has no --port flag.
   EXPECT_THAT(expert_log, HasSubstr(absl::StrCat("--address=127.0.0.1:", group_ports_[0], " ")));
   EXPECT_THAT(expert_log, Not(HasSubstr("--port=")));
-  EXPECT_THAT(ReadFile(log_dir_ + "/router.log"),
+  EXPECT_THAT(ReadTextFile(log_dir_ + "/router.log"),
               HasSubstr(CanonicalPath(HIMOE_ROUTER_BINARY).value_or("?")));
   EXPECT_THAT(launcher.Stdout(), HasSubstr(log_dir_ + "/expert-1.log"));
   EXPECT_THAT(launcher.Stdout(), HasSubstr(absl::StrCat("127.0.0.1:", router_port_)));
@@ -392,7 +372,7 @@ TEST_F(LauncherTest, ServesMutualTlsOnEveryPortFromTheClusterFile) {
       R"(tls { ca: "certs/ca.pem" cert: "certs/server.pem" key: "certs/server.key" })";
   LauncherProcess launcher;
   ASSERT_NO_FATAL_FAILURE(StartSmallCluster(launcher));
-  EXPECT_THAT(ReadFile(log_dir_ + "/expert-1.log"),
+  EXPECT_THAT(ReadTextFile(log_dir_ + "/expert-1.log"),
               HasSubstr(absl::StrCat("--tls_ca=", certs, "/ca.pem")));
 
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> client = MakeChannelCredentials(
@@ -404,7 +384,7 @@ TEST_F(LauncherTest, ServesMutualTlsOnEveryPortFromTheClusterFile) {
         grpc::CreateChannel(absl::StrCat("127.0.0.1:", router_port_), credentials));
     v1::RouteForwardRequest request;
     request.set_layer(0);
-    EXPECT_TRUE(EncodeTensor(torch::randn({5, 16}), request.mutable_hidden()).ok());
+    EXPECT_TRUE(EncodeTensor(at::randn({5, 16}), request.mutable_hidden()).ok());
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     v1::RouteForwardResponse response;
@@ -416,7 +396,7 @@ TEST_F(LauncherTest, ServesMutualTlsOnEveryPortFromTheClusterFile) {
   const grpc::Status tls = route(*client, &output);
   ASSERT_TRUE(tls.ok()) << tls.error_message() << "\n" << launcher.Output();
   EXPECT_EQ(output.sizes(), (std::vector<int64_t>{5, 16}));
-  EXPECT_TRUE(torch::isfinite(output).all().item<bool>());
+  EXPECT_TRUE(at::isfinite(output).all().item<bool>());
   EXPECT_GT(output.abs().sum().item<float>(), 0.0f);
   EXPECT_EQ(route(grpc::InsecureChannelCredentials(), &output).error_code(),
             grpc::StatusCode::UNAVAILABLE);
@@ -444,9 +424,9 @@ TEST_F(LauncherTest, ThreadsZeroSharesTheHostsCoresAmongItsServices) {
   LauncherProcess launcher;
   ASSERT_NO_FATAL_FAILURE(StartSmallCluster(launcher, {}, false, /*threads=*/0));
   const std::string share = absl::StrCat("--threads=", std::max(1, DefaultThreadCount() / 3), " ");
-  EXPECT_THAT(ReadFile(log_dir_ + "/expert-0.log"), HasSubstr(share));
-  EXPECT_THAT(ReadFile(log_dir_ + "/expert-1.log"), HasSubstr(share));
-  EXPECT_THAT(ReadFile(log_dir_ + "/router.log"), HasSubstr(share));
+  EXPECT_THAT(ReadTextFile(log_dir_ + "/expert-0.log"), HasSubstr(share));
+  EXPECT_THAT(ReadTextFile(log_dir_ + "/expert-1.log"), HasSubstr(share));
+  EXPECT_THAT(ReadTextFile(log_dir_ + "/router.log"), HasSubstr(share));
   ASSERT_EQ(kill(launcher.pid(), SIGINT), 0);
   const std::optional<int> status = launcher.WaitExit(kExitBound);
   ASSERT_TRUE(status.has_value()) << launcher.Output();
@@ -475,7 +455,7 @@ TEST_F(LauncherTest, RouterSharedMemoryStartsTheGroupsWithIt) {
   LauncherProcess launcher;
   ASSERT_NO_FATAL_FAILURE(StartSmallCluster(launcher));
   for (int g = 0; g < 2; ++g) {
-    EXPECT_THAT(ReadFile(absl::StrCat(log_dir_, "/expert-", g, ".log")),
+    EXPECT_THAT(ReadTextFile(absl::StrCat(log_dir_, "/expert-", g, ".log")),
                 HasSubstr("--shared_memory"));
   }
   EXPECT_EQ(SharedMemoryObjectsOf(router_pid_), 0);
@@ -540,7 +520,7 @@ TEST_F(LauncherTest, ServesEachGroupsMetricsWhenConfigured) {
         absl::StrCat("http://127.0.0.1:", group_metrics_ports_[g], "/metrics");
     // The table shows the URL; the expert got the port, on the group's interface.
     EXPECT_THAT(launcher.Stdout(), HasSubstr(url));
-    const std::string log = ReadFile(absl::StrCat(log_dir_, "/expert-", g, ".log"));
+    const std::string log = ReadTextFile(absl::StrCat(log_dir_, "/expert-", g, ".log"));
     EXPECT_THAT(log, HasSubstr(absl::StrCat("--metrics_port=", group_metrics_ports_[g])));
     EXPECT_THAT(log, HasSubstr("--metrics_address=127.0.0.1"));
     absl::StatusOr<std::string> body = testutil::HttpGet(url);
@@ -579,7 +559,7 @@ TEST_F(LauncherTest, ReportsAServiceThatExitsEarly) {
   ASSERT_EQ(listen(blocker, 1), 0);
 
   const std::string cluster = dir_.path() + "/cluster.textproto";
-  WriteFile(cluster, SmallCluster(ports[0], ports[1], ports[2]));
+  WriteTextFile(cluster, SmallCluster(ports[0], ports[1], ports[2]));
   const std::string log_dir = dir_.path() + "/logs";
   LauncherProcess launcher;
   ASSERT_TRUE(launcher.Start({HIMOE_CLUSTER_BINARY, "--cluster=" + cluster, "--log_dir=" + log_dir,
@@ -606,13 +586,13 @@ TEST_F(LauncherTest, ReportsAServiceThatNeverGetsReady) {
   ASSERT_EQ(mkdir(bin_dir.c_str(), 0755), 0);
   for (const char* name : {"himoe-expert", "himoe-router"}) {
     const std::string path = bin_dir + "/" + name;
-    WriteFile(path, absl::StrCat("#!/bin/sh\necho fake ", name, " starting\nexec sleep 600\n"));
+    WriteTextFile(path, absl::StrCat("#!/bin/sh\necho fake ", name, " starting\nexec sleep 600\n"));
     ASSERT_EQ(chmod(path.c_str(), 0755), 0);
   }
   const std::vector<int> ports = FreeLoopbackPorts(3);
   ASSERT_EQ(ports.size(), 3u);
   const std::string cluster = dir_.path() + "/cluster.textproto";
-  WriteFile(cluster, SmallCluster(ports[0], ports[1], ports[2]));
+  WriteTextFile(cluster, SmallCluster(ports[0], ports[1], ports[2]));
   const std::string log_dir = dir_.path() + "/logs";
   LauncherProcess launcher;
   ASSERT_TRUE(launcher.Start({HIMOE_CLUSTER_BINARY, "--cluster=" + cluster, "--log_dir=" + log_dir,
@@ -626,7 +606,7 @@ TEST_F(LauncherTest, ReportsAServiceThatNeverGetsReady) {
   EXPECT_THAT(launcher.Stderr(), HasSubstr("is not ready after 2 s"));
   EXPECT_THAT(launcher.Stderr(), HasSubstr("fake himoe-expert starting"));
   // The router is only started once the groups are ready.
-  EXPECT_FALSE(Exists(log_dir + "/router.log"));
+  EXPECT_FALSE(PathExists(log_dir + "/router.log"));
   EXPECT_TRUE(NoChildLeft());
 }
 
@@ -644,7 +624,7 @@ TEST_F(LauncherTest, HelpListsItsOwnFlags) {
     EXPECT_THAT(help, HasSubstr(flag)) << help;
   }
   EXPECT_THAT(help, Not(HasSubstr("No flags matched")));
-  EXPECT_FALSE(Exists(log_dir));
+  EXPECT_FALSE(PathExists(log_dir));
   EXPECT_TRUE(NoChildLeft());
 }
 
@@ -720,7 +700,7 @@ router { address: "127.0.0.1:50990" })",
     std::vector<std::string> args = {HIMOE_CLUSTER_BINARY};
     if (!c.cluster.empty()) {
       const std::string file = absl::StrCat(dir_.path(), "/bad-", i, ".textproto");
-      WriteFile(file, c.cluster);
+      WriteTextFile(file, c.cluster);
       args.push_back("--cluster=" + file);
     }
     const std::string log_dir = absl::StrCat(dir_.path(), "/logs-", i);
@@ -739,7 +719,7 @@ router { address: "127.0.0.1:50990" })",
     }
     EXPECT_THAT(launcher.Stdout(), Not(HasSubstr("ready")));
     // Nothing started: no log directory, no process left behind.
-    EXPECT_FALSE(Exists(log_dir));
+    EXPECT_FALSE(PathExists(log_dir));
     EXPECT_TRUE(NoChildLeft());
   }
 }

@@ -37,6 +37,7 @@
 #include "deploy/local/local_cluster.h"
 #include "deploy/local/process_set.h"
 #include "himoe/v1/expert.grpc.pb.h"
+#include "tests/deploy/child_checks.h"
 #include "tests/http_get.h"
 #include "tests/temp_dir.h"
 
@@ -46,36 +47,16 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::StartsWith;
+using test_util::NoChildLeft;
+using test_util::PathExists;
+using test_util::ProcessGone;
+using test_util::ReadTextFile;
+using test_util::WriteTextFile;
 using Clock = std::chrono::steady_clock;
 
 // Generous bounds: a hung process fails the test instead of hanging it.
 constexpr auto kReadyTimeout = std::chrono::seconds(120);
 constexpr auto kGoneBound = std::chrono::seconds(60);
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-void WriteFile(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::trunc);
-  out << text;
-}
-
-bool Exists(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0;
-}
-
-bool ProcessGone(pid_t pid) { return kill(pid, 0) != 0 && errno == ESRCH; }
-
-// True when this process has no child at all, reaped or not.
-bool NoChildLeft() {
-  int status = 0;
-  return waitpid(-1, &status, WNOHANG) < 0 && errno == ECHILD;
-}
 
 // Kills and reaps every child of this process (subreaper: orphaned experts
 // included). A safety net for failing tests; returns how many there were.
@@ -157,7 +138,7 @@ class LocalExpertClusterTest : public ChildrenTest {
  protected:
   void SetUp() override {
     ASSERT_NO_FATAL_FAILURE(ChildrenTest::SetUp());
-    ASSERT_TRUE(Exists(HIMOE_EXPERT_BINARY));
+    ASSERT_TRUE(PathExists(HIMOE_EXPERT_BINARY));
   }
 };
 
@@ -185,13 +166,13 @@ TEST_F(LocalExpertClusterTest, StartsAnswersInfoAndStops) {
     EXPECT_GT(cluster.pids()[g], 0);
     EXPECT_EQ(kill(cluster.pids()[g], 0), 0) << "pid " << cluster.pids()[g] << " is not running";
     // Each log is headed by its command line.
-    const std::string log = ReadFile(absl::StrCat(log_dir, "/expert-", g, ".log"));
+    const std::string log = ReadTextFile(absl::StrCat(log_dir, "/expert-", g, ".log"));
     EXPECT_THAT(log, StartsWith("# "));
     EXPECT_THAT(log, HasSubstr(absl::StrCat("--group_id=", g)));
     EXPECT_THAT(log, HasSubstr("--address=127.0.0.1:0 "));
     EXPECT_THAT(log, Not(HasSubstr("--port=")));
     EXPECT_THAT(log, HasSubstr("--seed=3 --dtype=float32 "));
-    EXPECT_TRUE(Exists(absl::StrCat(log_dir, "/expert-", g, ".pid")));
+    EXPECT_TRUE(PathExists(absl::StrCat(log_dir, "/expert-", g, ".pid")));
   }
   EXPECT_NE(cluster.addresses()[0], cluster.addresses()[1]);
   EXPECT_TRUE(cluster.CheckAlive().ok()) << cluster.CheckAlive();
@@ -203,9 +184,9 @@ TEST_F(LocalExpertClusterTest, StartsAnswersInfoAndStops) {
     EXPECT_TRUE(ProcessGone(pid)) << "pid " << pid << " is still there";
   }
   EXPECT_TRUE(NoChildLeft());
-  EXPECT_FALSE(Exists(log_dir + "/expert-0.pid"));
-  EXPECT_FALSE(Exists(log_dir + "/expert-0.port"));
-  EXPECT_TRUE(Exists(log_dir + "/expert-0.log"));  // the logs stay
+  EXPECT_FALSE(PathExists(log_dir + "/expert-0.pid"));
+  EXPECT_FALSE(PathExists(log_dir + "/expert-0.port"));
+  EXPECT_TRUE(PathExists(log_dir + "/expert-0.log"));  // the logs stay
 
   cluster.Stop();  // a no-op
   EXPECT_EQ(cluster.pids(), pids);
@@ -278,7 +259,7 @@ TEST_F(LocalExpertClusterTest, FindsTheBinaryByItselfAndStopsWhenDestroyed) {
   std::unique_ptr<LocalExpertCluster> cluster = *std::move(started);
   const std::string log_dir = cluster->log_dir();
   EXPECT_THAT(log_dir, StartsWith("/tmp/himoe-experts-"));
-  EXPECT_THAT(ReadFile(log_dir + "/expert-0.log"),
+  EXPECT_THAT(ReadTextFile(log_dir + "/expert-0.log"),
               StartsWith(absl::StrCat(
                   "# ", CanonicalPath(HIMOE_EXPERT_BINARY).value_or("?"), " ")));
   const std::vector<int> pids = cluster->pids();
@@ -343,7 +324,7 @@ TEST_F(LocalExpertClusterTest, ServesMutualTlsOnlyWhenGivenCertificates) {
     return channel.ok() ? ProbeExpertInfo(*channel, g, options.shape) : channel.status();
   };
   for (int g = 0; g < 2; ++g) {
-    EXPECT_THAT(ReadFile(absl::StrCat(dir_.path(), "/logs/expert-", g, ".log")),
+    EXPECT_THAT(ReadTextFile(absl::StrCat(dir_.path(), "/logs/expert-", g, ".log")),
                 HasSubstr(absl::StrCat("--tls_ca=", certs, "/ca.pem")));
     EXPECT_TRUE(info(g, client).ok()) << info(g, client);
     EXPECT_EQ(info(g, TlsFiles()).code(), absl::StatusCode::kUnavailable) << "plaintext";
@@ -372,7 +353,7 @@ TEST_F(LocalExpertClusterTest, RefusesABadBinaryWithoutStartingAnything) {
   EXPECT_EQ(started.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(started.status().message(), HasSubstr(options.binary));
   EXPECT_THAT(started.status().message(), HasSubstr("not an executable file"));
-  EXPECT_FALSE(Exists(log_dir));
+  EXPECT_FALSE(PathExists(log_dir));
   EXPECT_TRUE(NoChildLeft());
 
   // A directory is not a binary either.
@@ -398,14 +379,14 @@ TEST_F(LocalExpertClusterTest, RefusesABadBinaryWithoutStartingAnything) {
   ASSERT_FALSE(started.ok());
   EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(started.status().message(), HasSubstr("dtype"));
-  EXPECT_FALSE(Exists(log_dir));
+  EXPECT_FALSE(PathExists(log_dir));
   EXPECT_TRUE(NoChildLeft());
 }
 
 TEST_F(LocalExpertClusterTest, ReportsAProcessThatExitsAtOnce) {
   // An executable that is not a himoe-expert: it prints a line and fails.
   const std::string fake = dir_.path() + "/fake-expert";
-  WriteFile(fake, "#!/bin/sh\necho fake expert refuses \"$2\"\nexit 3\n");
+  WriteTextFile(fake, "#!/bin/sh\necho fake expert refuses \"$2\"\nexit 3\n");
   ASSERT_EQ(chmod(fake.c_str(), 0755), 0);
   const std::string log_dir = dir_.path() + "/logs";
   ExpertProcessOptions options = TinyOptions(log_dir);
@@ -417,13 +398,13 @@ TEST_F(LocalExpertClusterTest, ReportsAProcessThatExitsAtOnce) {
   EXPECT_THAT(started.status().message(), HasSubstr("exited with code 3"));
   EXPECT_THAT(started.status().message(), HasSubstr("fake expert refuses --group_id="));
   EXPECT_TRUE(NoChildLeft());
-  EXPECT_FALSE(Exists(log_dir + "/expert-0.pid"));
+  EXPECT_FALSE(PathExists(log_dir + "/expert-0.pid"));
 }
 
 TEST_F(LocalExpertClusterTest, ReportsAProcessThatNeverGetsReady) {
   // Starts, prints a line, never serves (and dies on SIGTERM).
   const std::string fake = dir_.path() + "/fake-expert";
-  WriteFile(fake, "#!/bin/sh\necho fake expert starting\nexec sleep 600\n");
+  WriteTextFile(fake, "#!/bin/sh\necho fake expert starting\nexec sleep 600\n");
   ASSERT_EQ(chmod(fake.c_str(), 0755), 0);
   ExpertProcessOptions options = TinyOptions(dir_.path() + "/logs");
   options.binary = fake;
@@ -470,7 +451,7 @@ TEST_F(LocalExpertClusterTest, ExpertsDieWithTheirParent) {
           std::fprintf(stderr, "Start failed: %s\n", started.status().ToString().c_str());
           std::_Exit(3);
         }
-        WriteFile(list + ".tmp", absl::StrJoin((*started)->pids(), " "));
+        WriteTextFile(list + ".tmp", absl::StrJoin((*started)->pids(), " "));
         std::rename((list + ".tmp").c_str(), list.c_str());
         (void)started->release();
         (void)RemoveAll(dir_.path());  // (this child's fixture never tears down)
@@ -509,7 +490,7 @@ class ServiceSetTest : public ChildrenTest {
   // An executable shell script in the test directory.
   std::string Script(const std::string& name, const std::string& body) {
     const std::string path = dir_.path() + "/" + name;
-    WriteFile(path, "#!/bin/sh\n" + body);
+    WriteTextFile(path, "#!/bin/sh\n" + body);
     EXPECT_EQ(chmod(path.c_str(), 0755), 0);
     return path;
   }
@@ -533,9 +514,9 @@ TEST_F(ServiceSetTest, ReportsAServiceWithoutPortFileWithItsLogTail) {
   spec.address = "127.0.0.1:50999";
   spec.probe = [](const std::shared_ptr<grpc::Channel>&) { return absl::OkStatus(); };
   // A stale port file from an earlier run does not count as ready.
-  WriteFile(spec.port_file, "50999\n");
+  WriteTextFile(spec.port_file, "50999\n");
   ASSERT_TRUE(set.Start(spec).ok());
-  EXPECT_FALSE(Exists(spec.port_file));
+  EXPECT_FALSE(PathExists(spec.port_file));
 
   const absl::Status ready =
       set.WaitUntilReady(Clock::now(), std::chrono::seconds(7), std::chrono::milliseconds(10));
@@ -550,7 +531,7 @@ TEST_F(ServiceSetTest, ReportsAServiceWithoutPortFileWithItsLogTail) {
   set.Stop();
   EXPECT_TRUE(set.stopped());
   EXPECT_TRUE(ProcessGone(set.pids()[0]));
-  EXPECT_FALSE(Exists(spec.pid_file));
+  EXPECT_FALSE(PathExists(spec.pid_file));
   EXPECT_TRUE(NoChildLeft());
 }
 
@@ -565,7 +546,7 @@ TEST_F(ServiceSetTest, ReadsThePortFileProbesWatchesAndStops) {
     return ++probes < 2 ? absl::UnavailableError("warming up") : absl::OkStatus();
   };
   ASSERT_TRUE(set.Start(spec).ok());
-  ASSERT_TRUE(Exists(spec.pid_file));
+  ASSERT_TRUE(PathExists(spec.pid_file));
   const absl::Status ready = set.WaitUntilReady(Clock::now() + kReadyTimeout, kReadyTimeout,
                                                 std::chrono::milliseconds(10));
   ASSERT_TRUE(ready.ok()) << ready;
@@ -593,8 +574,8 @@ TEST_F(ServiceSetTest, ReadsThePortFileProbesWatchesAndStops) {
               HasSubstr(absl::StrCat("svc (pid ", pid, ", 127.0.0.1:4321) was killed by signal 9")));
 
   set.Stop();
-  EXPECT_FALSE(Exists(spec.pid_file));
-  EXPECT_FALSE(Exists(spec.port_file));
+  EXPECT_FALSE(PathExists(spec.pid_file));
+  EXPECT_FALSE(PathExists(spec.port_file));
   EXPECT_TRUE(NoChildLeft());
 }
 

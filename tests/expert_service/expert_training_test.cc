@@ -34,7 +34,9 @@
 #include "himoe/v1/expert.grpc.pb.h"
 #include "tests/expert_service/expert_test_util.h"
 
-namespace himoe::expert {
+// Its own namespace: expert_service_test.cc, built with it, has helpers of
+// the same names for another shape.
+namespace himoe::expert::training_test {
 namespace {
 
 using ::testing::Contains;
@@ -1262,4 +1264,4 @@ TEST_F(ExpertTrainingGrpcTest, OptimizerStateMovesToAFreshService) {
 }
 
 }  // namespace
-}  // namespace himoe::expert
+}  // namespace himoe::expert::training_test

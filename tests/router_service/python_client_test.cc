@@ -30,6 +30,7 @@
 #include "router_service/routing/local_moe.h"
 #include "tests/router_service/expert_cluster_util.h"
 #include "tests/router_service/routing/routing_test_util.h"
+#include "tests/temp_dir.h"
 
 extern char** environ;
 
@@ -114,13 +115,6 @@ int RunChild(const std::vector<std::string>& argv, const std::string& log) {
   return WEXITSTATUS(status);
 }
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 class PythonClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -147,7 +141,7 @@ TEST_F(PythonClientTest, SystemPythonHasGrpcAndNumpy) {
                      << " cannot import grpc/grpc_tools/protobuf/numpy (scripts/setup.sh "
                         "installs python3-grpcio python3-grpc-tools python3-protobuf "
                         "python3-numpy):\n"
-                     << ReadFile(log);
+                     << test_util::ReadTextFile(log);
 }
 
 TEST_F(PythonClientTest, RouteForwardFromPythonMatchesLocalMoE) {
@@ -194,7 +188,7 @@ TEST_F(PythonClientTest, RouteForwardFromPythonMatchesLocalMoE) {
                              "--expected", JoinPath(dir_, "y.pb"),
                              "--layer", std::to_string(kLayer)},
                             log);
-  const std::string output = ReadFile(log);
+  const std::string output = test_util::ReadTextFile(log);
   std::cout << output;
   EXPECT_EQ(code, 0) << "python_client.py failed:\n" << output;
 }

@@ -4,7 +4,7 @@
 #include <string>
 
 #include <ATen/ATen.h>
-#include <torch/torch.h>
+#include <ATen/core/grad_mode.h>
 
 #include "common/profile_scope.h"
 #include "gmock/gmock.h"
@@ -53,7 +53,7 @@ TEST(StepProfilerTest, TimeOutsideStepsIsNotCharged) {
   auto profiler = StepProfiler::Start();
   ASSERT_TRUE(profiler.ok()) << profiler.status();
   {
-    torch::NoGradGuard no_grad;
+    at::NoGradGuard no_grad;
     HIMOE_PROFILE_SCOPE("evaluation");
     at::mm(at::randn({128, 128}), at::randn({128, 128}));
   }

@@ -13,19 +13,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/checkpoint_reader.h"
+#include "tests/temp_dir.h"
 #include "tests/trainer/trainer_test_util.h"
 
 namespace himoe::trainer {
 namespace {
 
 using ::testing::HasSubstr;
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 TrainerFlags Tiny(const testing::TempDir& dir, const std::string& corpus) {
   TrainerFlags f;
@@ -70,7 +64,7 @@ TEST(TrainingRunTest, TrainsChecksAndResumes) {
       model::LatestCheckpoint(flags.out_dir + "/checkpoints");
   ASSERT_TRUE(latest.ok()) << latest.status();
   EXPECT_TRUE(absl::EndsWith(*latest, model::CheckpointDirName(4))) << *latest;
-  const std::string log = ReadFile(flags.out_dir + "/metrics.jsonl");
+  const std::string log = test_util::ReadTextFile(flags.out_dir + "/metrics.jsonl");
   EXPECT_THAT(log, HasSubstr("\"kind\":\"config\""));
   EXPECT_THAT(log, HasSubstr("\"kind\":\"eval\""));
   EXPECT_THAT(log, HasSubstr("\"kind\":\"memory\""));
@@ -83,7 +77,7 @@ TEST(TrainingRunTest, TrainsChecksAndResumes) {
   ASSERT_TRUE(resumed.ok()) << resumed.status();
   ASSERT_TRUE((*resumed)->Train().ok());
   EXPECT_EQ((*resumed)->trainer().step(), 6);
-  EXPECT_THAT(ReadFile(flags.out_dir + "/metrics.jsonl"), HasSubstr("\"kind\":\"resume\""));
+  EXPECT_THAT(test_util::ReadTextFile(flags.out_dir + "/metrics.jsonl"), HasSubstr("\"kind\":\"resume\""));
   EXPECT_TRUE(absl::EndsWith(*model::LatestCheckpoint(flags.out_dir + "/checkpoints"),
                              model::CheckpointDirName(6)));
 }

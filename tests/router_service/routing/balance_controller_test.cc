@@ -139,14 +139,18 @@ HandBand HandSolveBand(const testing::Matrix& scores, int groups, int k, double 
                        double rate) {
   const size_t n = scores[0].size();
   const auto f32 = [](double v) { return static_cast<double>(static_cast<float>(v)); };
-  std::vector<double> upper(n, 0.0), lower(n, 0.0), step(n, f32(rate)), last(n, 0.0);
+  struct Expert {
+    double upper = 0, lower = 0, step = 0, last = 0;
+  };
+  std::vector<Expert> e(n, Expert{0, 0, f32(rate), 0});
   const double mean = static_cast<double>(scores.size() * groups * k) / n;
   const double delta = kBalanceBand * target;
   HandBand out;
   for (int iteration = 0;; ++iteration) {
     out.bias.assign(n, 0.0);
     for (size_t i = 0; i < n; ++i) {
-      out.bias[i] = static_cast<double>(static_cast<float>(lower[i]) - static_cast<float>(upper[i]));
+      out.bias[i] =
+          static_cast<double>(static_cast<float>(e[i].lower) - static_cast<float>(e[i].upper));
     }
     out.counts = HandCounts(scores, out.bias, groups, k, false);
     double worst = 0;
@@ -154,11 +158,11 @@ HandBand HandSolveBand(const testing::Matrix& scores, int groups, int k, double 
     if (worst / mean <= delta || iteration == kMaxBalanceIterations) break;
     for (size_t i = 0; i < n; ++i) {
       const double x = (out.counts[i] - mean) / mean;
-      const double s = x * last[i] < 0 ? step[i] * 0.5 : std::min(step[i] * 1.2, rate);
-      upper[i] = f32(std::max(upper[i] + s * (x - delta), 0.0));
-      lower[i] = f32(std::max(lower[i] + s * (-x - delta), 0.0));
-      step[i] = f32(s);
-      last[i] = f32(x);
+      const double s = x * e[i].last < 0 ? e[i].step * 0.5 : std::min(e[i].step * 1.2, rate);
+      e[i].upper = f32(std::max(e[i].upper + s * (x - delta), 0.0));
+      e[i].lower = f32(std::max(e[i].lower + s * (-x - delta), 0.0));
+      e[i].step = f32(s);
+      e[i].last = f32(x);
     }
   }
   return out;

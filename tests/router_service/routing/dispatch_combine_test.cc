@@ -1,8 +1,8 @@
 #include "router_service/routing/dispatch_combine.h"
 
+#include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
-#include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
