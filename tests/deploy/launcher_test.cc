@@ -51,11 +51,6 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
-using test_util::NoChildLeft;
-using test_util::PathExists;
-using test_util::ProcessGone;
-using test_util::ReadTextFile;
-using test_util::WriteTextFile;
 using Clock = std::chrono::steady_clock;
 
 // Generous bounds: a hung launcher fails the test instead of hanging it.
@@ -96,7 +91,7 @@ pid_t ReadPid(const std::string& path) {
 // Bounded wait until `pid` no longer exists (a zombie still exists).
 bool WaitGone(pid_t pid, std::chrono::seconds bound) {
   const auto until = Clock::now() + bound;
-  while (!ProcessGone(pid)) {
+  while (!test_util::ProcessGone(pid)) {
     if (Clock::now() >= until) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -130,8 +125,8 @@ class LauncherProcess {
   }
 
   pid_t pid() const { return pid_; }
-  std::string Stdout() const { return ReadTextFile(stdout_path_); }
-  std::string Stderr() const { return ReadTextFile(stderr_path_); }
+  std::string Stdout() const { return test_util::ReadTextFile(stdout_path_); }
+  std::string Stderr() const { return test_util::ReadTextFile(stderr_path_); }
   std::string Output() const {
     return absl::StrCat("--- stdout:\n", Stdout(), "--- stderr:\n", Stderr());
   }
@@ -230,9 +225,9 @@ class LauncherTest : public ::testing::Test {
   void SetUp() override {
     ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
     ASSERT_FALSE(dir_.path().empty());
-    ASSERT_TRUE(PathExists(HIMOE_CLUSTER_BINARY));
-    ASSERT_TRUE(PathExists(HIMOE_EXPERT_BINARY));
-    ASSERT_TRUE(PathExists(HIMOE_ROUTER_BINARY));
+    ASSERT_TRUE(test_util::PathExists(HIMOE_CLUSTER_BINARY));
+    ASSERT_TRUE(test_util::PathExists(HIMOE_EXPERT_BINARY));
+    ASSERT_TRUE(test_util::PathExists(HIMOE_ROUTER_BINARY));
   }
 
   // Writes a 2-group cluster on free loopback ports and starts the launcher on
@@ -248,7 +243,8 @@ class LauncherTest : public ::testing::Test {
     group_metrics_ports_ = group_metrics ? std::vector<int>{ports[3], ports[4]}
                                          : std::vector<int>{0, 0};
     cluster_file_ = dir_.path() + "/cluster.textproto";
-    WriteTextFile(cluster_file_, SmallCluster(ports[0], ports[1], ports[2], group_metrics_ports_[0],
+    test_util::WriteTextFile(cluster_file_,
+                             SmallCluster(ports[0], ports[1], ports[2], group_metrics_ports_[0],
                                           group_metrics_ports_[1], threads, router_extra_) +
                                  cluster_extra_);
     log_dir_ = dir_.path() + "/logs";
@@ -311,14 +307,14 @@ TEST_F(LauncherTest, StartsServesAndStopsOnSigint) {
 
   // The logs are where the table says, each headed by its command line: the
   // launcher found the binaries of this build tree by itself.
-  const std::string expert_log = ReadTextFile(log_dir_ + "/expert-0.log");
+  const std::string expert_log = test_util::ReadTextFile(log_dir_ + "/expert-0.log");
   EXPECT_THAT(expert_log, HasSubstr(CanonicalPath(HIMOE_EXPERT_BINARY).value_or("?")));
   EXPECT_THAT(expert_log, HasSubstr("--group_id=0"));
   EXPECT_THAT(expert_log, HasSubstr("--threads=1 "));  // as the cluster file says
   // --address is host:port on every binary; the expert has no --port flag.
   EXPECT_THAT(expert_log, HasSubstr(absl::StrCat("--address=127.0.0.1:", group_ports_[0], " ")));
   EXPECT_THAT(expert_log, Not(HasSubstr("--port=")));
-  EXPECT_THAT(ReadTextFile(log_dir_ + "/router.log"),
+  EXPECT_THAT(test_util::ReadTextFile(log_dir_ + "/router.log"),
               HasSubstr(CanonicalPath(HIMOE_ROUTER_BINARY).value_or("?")));
   EXPECT_THAT(launcher.Stdout(), HasSubstr(log_dir_ + "/expert-1.log"));
   EXPECT_THAT(launcher.Stdout(), HasSubstr(absl::StrCat("127.0.0.1:", router_port_)));
@@ -354,7 +350,7 @@ TEST_F(LauncherTest, StartsServesAndStopsOnSigint) {
   for (pid_t pid : {expert_pids_[0], expert_pids_[1], router_pid_}) {
     EXPECT_TRUE(WaitGone(pid, std::chrono::seconds(10))) << "pid " << pid << " is still there";
   }
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
   EXPECT_THAT(launcher.Stdout(), HasSubstr("himoe-cluster: stopped"));
   // Nothing was killed for being slow to stop.
   EXPECT_THAT(launcher.Stderr(), Not(HasSubstr("SIGKILL")));
@@ -372,7 +368,7 @@ TEST_F(LauncherTest, ServesMutualTlsOnEveryPortFromTheClusterFile) {
       R"(tls { ca: "certs/ca.pem" cert: "certs/server.pem" key: "certs/server.key" })";
   LauncherProcess launcher;
   ASSERT_NO_FATAL_FAILURE(StartSmallCluster(launcher));
-  EXPECT_THAT(ReadTextFile(log_dir_ + "/expert-1.log"),
+  EXPECT_THAT(test_util::ReadTextFile(log_dir_ + "/expert-1.log"),
               HasSubstr(absl::StrCat("--tls_ca=", certs, "/ca.pem")));
 
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> client = MakeChannelCredentials(
@@ -414,7 +410,7 @@ TEST_F(LauncherTest, ServesMutualTlsOnEveryPortFromTheClusterFile) {
   const std::optional<int> status = launcher.WaitExit(kExitBound);
   ASSERT_TRUE(status.has_value()) << launcher.Output();
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << launcher.Output();
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 // threads: 0 is a share of the host, not every core for every service: the
@@ -424,9 +420,9 @@ TEST_F(LauncherTest, ThreadsZeroSharesTheHostsCoresAmongItsServices) {
   LauncherProcess launcher;
   ASSERT_NO_FATAL_FAILURE(StartSmallCluster(launcher, {}, false, /*threads=*/0));
   const std::string share = absl::StrCat("--threads=", std::max(1, DefaultThreadCount() / 3), " ");
-  EXPECT_THAT(ReadTextFile(log_dir_ + "/expert-0.log"), HasSubstr(share));
-  EXPECT_THAT(ReadTextFile(log_dir_ + "/expert-1.log"), HasSubstr(share));
-  EXPECT_THAT(ReadTextFile(log_dir_ + "/router.log"), HasSubstr(share));
+  EXPECT_THAT(test_util::ReadTextFile(log_dir_ + "/expert-0.log"), HasSubstr(share));
+  EXPECT_THAT(test_util::ReadTextFile(log_dir_ + "/expert-1.log"), HasSubstr(share));
+  EXPECT_THAT(test_util::ReadTextFile(log_dir_ + "/router.log"), HasSubstr(share));
   ASSERT_EQ(kill(launcher.pid(), SIGINT), 0);
   const std::optional<int> status = launcher.WaitExit(kExitBound);
   ASSERT_TRUE(status.has_value()) << launcher.Output();
@@ -455,7 +451,7 @@ TEST_F(LauncherTest, RouterSharedMemoryStartsTheGroupsWithIt) {
   LauncherProcess launcher;
   ASSERT_NO_FATAL_FAILURE(StartSmallCluster(launcher));
   for (int g = 0; g < 2; ++g) {
-    EXPECT_THAT(ReadTextFile(absl::StrCat(log_dir_, "/expert-", g, ".log")),
+    EXPECT_THAT(test_util::ReadTextFile(absl::StrCat(log_dir_, "/expert-", g, ".log")),
                 HasSubstr("--shared_memory"));
   }
   EXPECT_EQ(SharedMemoryObjectsOf(router_pid_), 0);
@@ -470,7 +466,7 @@ TEST_F(LauncherTest, RouterSharedMemoryStartsTheGroupsWithIt) {
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << launcher.Output();
   EXPECT_TRUE(WaitGone(router_pid_, std::chrono::seconds(10)));
   EXPECT_EQ(SharedMemoryObjectsOf(router_pid_), 0);
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 // A router killed while it holds regions cannot unlink them: the launcher,
@@ -489,7 +485,7 @@ TEST_F(LauncherTest, ARouterKilledLeavesNoSharedMemoryBehind) {
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 1) << launcher.Output();
   EXPECT_THAT(launcher.Stderr(), HasSubstr("killed by signal 9"));
   EXPECT_EQ(SharedMemoryObjectsOf(router_pid_), 0) << launcher.Output();
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 TEST_F(LauncherTest, StopsEverythingAndFailsWhenAServiceDies) {
@@ -508,7 +504,7 @@ TEST_F(LauncherTest, StopsEverythingAndFailsWhenAServiceDies) {
   for (pid_t pid : {expert_pids_[0], expert_pids_[1], router_pid_}) {
     EXPECT_TRUE(WaitGone(pid, std::chrono::seconds(10))) << "pid " << pid << " is still there";
   }
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 TEST_F(LauncherTest, ServesEachGroupsMetricsWhenConfigured) {
@@ -520,7 +516,7 @@ TEST_F(LauncherTest, ServesEachGroupsMetricsWhenConfigured) {
         absl::StrCat("http://127.0.0.1:", group_metrics_ports_[g], "/metrics");
     // The table shows the URL; the expert got the port, on the group's interface.
     EXPECT_THAT(launcher.Stdout(), HasSubstr(url));
-    const std::string log = ReadTextFile(absl::StrCat(log_dir_, "/expert-", g, ".log"));
+    const std::string log = test_util::ReadTextFile(absl::StrCat(log_dir_, "/expert-", g, ".log"));
     EXPECT_THAT(log, HasSubstr(absl::StrCat("--metrics_port=", group_metrics_ports_[g])));
     EXPECT_THAT(log, HasSubstr("--metrics_address=127.0.0.1"));
     absl::StatusOr<std::string> body = testutil::HttpGet(url);
@@ -537,7 +533,7 @@ TEST_F(LauncherTest, ServesEachGroupsMetricsWhenConfigured) {
   for (pid_t pid : {expert_pids_[0], expert_pids_[1], router_pid_}) {
     EXPECT_TRUE(WaitGone(pid, std::chrono::seconds(10))) << "pid " << pid << " is still there";
   }
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 TEST_F(LauncherTest, ReportsAServiceThatExitsEarly) {
@@ -559,7 +555,7 @@ TEST_F(LauncherTest, ReportsAServiceThatExitsEarly) {
   ASSERT_EQ(listen(blocker, 1), 0);
 
   const std::string cluster = dir_.path() + "/cluster.textproto";
-  WriteTextFile(cluster, SmallCluster(ports[0], ports[1], ports[2]));
+  test_util::WriteTextFile(cluster, SmallCluster(ports[0], ports[1], ports[2]));
   const std::string log_dir = dir_.path() + "/logs";
   LauncherProcess launcher;
   ASSERT_TRUE(launcher.Start({HIMOE_CLUSTER_BINARY, "--cluster=" + cluster, "--log_dir=" + log_dir,
@@ -577,7 +573,7 @@ TEST_F(LauncherTest, ReportsAServiceThatExitsEarly) {
   // The tail of its log, which starts with its command line.
   EXPECT_THAT(launcher.Stderr(), HasSubstr("    | # "));
   EXPECT_THAT(launcher.Stdout(), Not(HasSubstr("ready")));
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 TEST_F(LauncherTest, ReportsAServiceThatNeverGetsReady) {
@@ -586,13 +582,14 @@ TEST_F(LauncherTest, ReportsAServiceThatNeverGetsReady) {
   ASSERT_EQ(mkdir(bin_dir.c_str(), 0755), 0);
   for (const char* name : {"himoe-expert", "himoe-router"}) {
     const std::string path = bin_dir + "/" + name;
-    WriteTextFile(path, absl::StrCat("#!/bin/sh\necho fake ", name, " starting\nexec sleep 600\n"));
+    test_util::WriteTextFile(
+        path, absl::StrCat("#!/bin/sh\necho fake ", name, " starting\nexec sleep 600\n"));
     ASSERT_EQ(chmod(path.c_str(), 0755), 0);
   }
   const std::vector<int> ports = FreeLoopbackPorts(3);
   ASSERT_EQ(ports.size(), 3u);
   const std::string cluster = dir_.path() + "/cluster.textproto";
-  WriteTextFile(cluster, SmallCluster(ports[0], ports[1], ports[2]));
+  test_util::WriteTextFile(cluster, SmallCluster(ports[0], ports[1], ports[2]));
   const std::string log_dir = dir_.path() + "/logs";
   LauncherProcess launcher;
   ASSERT_TRUE(launcher.Start({HIMOE_CLUSTER_BINARY, "--cluster=" + cluster, "--log_dir=" + log_dir,
@@ -606,8 +603,8 @@ TEST_F(LauncherTest, ReportsAServiceThatNeverGetsReady) {
   EXPECT_THAT(launcher.Stderr(), HasSubstr("is not ready after 2 s"));
   EXPECT_THAT(launcher.Stderr(), HasSubstr("fake himoe-expert starting"));
   // The router is only started once the groups are ready.
-  EXPECT_FALSE(PathExists(log_dir + "/router.log"));
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_FALSE(test_util::PathExists(log_dir + "/router.log"));
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 TEST_F(LauncherTest, HelpListsItsOwnFlags) {
@@ -624,8 +621,8 @@ TEST_F(LauncherTest, HelpListsItsOwnFlags) {
     EXPECT_THAT(help, HasSubstr(flag)) << help;
   }
   EXPECT_THAT(help, Not(HasSubstr("No flags matched")));
-  EXPECT_FALSE(PathExists(log_dir));
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_FALSE(test_util::PathExists(log_dir));
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 TEST_F(LauncherTest, RefusesBadInputWithoutStartingAnything) {
@@ -700,7 +697,7 @@ router { address: "127.0.0.1:50990" })",
     std::vector<std::string> args = {HIMOE_CLUSTER_BINARY};
     if (!c.cluster.empty()) {
       const std::string file = absl::StrCat(dir_.path(), "/bad-", i, ".textproto");
-      WriteTextFile(file, c.cluster);
+      test_util::WriteTextFile(file, c.cluster);
       args.push_back("--cluster=" + file);
     }
     const std::string log_dir = absl::StrCat(dir_.path(), "/logs-", i);
@@ -719,8 +716,8 @@ router { address: "127.0.0.1:50990" })",
     }
     EXPECT_THAT(launcher.Stdout(), Not(HasSubstr("ready")));
     // Nothing started: no log directory, no process left behind.
-    EXPECT_FALSE(PathExists(log_dir));
-    EXPECT_TRUE(NoChildLeft());
+    EXPECT_FALSE(test_util::PathExists(log_dir));
+    EXPECT_TRUE(test_util::NoChildLeft());
   }
 }
 

@@ -47,11 +47,6 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::StartsWith;
-using test_util::NoChildLeft;
-using test_util::PathExists;
-using test_util::ProcessGone;
-using test_util::ReadTextFile;
-using test_util::WriteTextFile;
 using Clock = std::chrono::steady_clock;
 
 // Generous bounds: a hung process fails the test instead of hanging it.
@@ -138,7 +133,7 @@ class LocalExpertClusterTest : public ChildrenTest {
  protected:
   void SetUp() override {
     ASSERT_NO_FATAL_FAILURE(ChildrenTest::SetUp());
-    ASSERT_TRUE(PathExists(HIMOE_EXPERT_BINARY));
+    ASSERT_TRUE(test_util::PathExists(HIMOE_EXPERT_BINARY));
   }
 };
 
@@ -166,13 +161,13 @@ TEST_F(LocalExpertClusterTest, StartsAnswersInfoAndStops) {
     EXPECT_GT(cluster.pids()[g], 0);
     EXPECT_EQ(kill(cluster.pids()[g], 0), 0) << "pid " << cluster.pids()[g] << " is not running";
     // Each log is headed by its command line.
-    const std::string log = ReadTextFile(absl::StrCat(log_dir, "/expert-", g, ".log"));
+    const std::string log = test_util::ReadTextFile(absl::StrCat(log_dir, "/expert-", g, ".log"));
     EXPECT_THAT(log, StartsWith("# "));
     EXPECT_THAT(log, HasSubstr(absl::StrCat("--group_id=", g)));
     EXPECT_THAT(log, HasSubstr("--address=127.0.0.1:0 "));
     EXPECT_THAT(log, Not(HasSubstr("--port=")));
     EXPECT_THAT(log, HasSubstr("--seed=3 --dtype=float32 "));
-    EXPECT_TRUE(PathExists(absl::StrCat(log_dir, "/expert-", g, ".pid")));
+    EXPECT_TRUE(test_util::PathExists(absl::StrCat(log_dir, "/expert-", g, ".pid")));
   }
   EXPECT_NE(cluster.addresses()[0], cluster.addresses()[1]);
   EXPECT_TRUE(cluster.CheckAlive().ok()) << cluster.CheckAlive();
@@ -181,17 +176,17 @@ TEST_F(LocalExpertClusterTest, StartsAnswersInfoAndStops) {
   cluster.Stop();
   for (int pid : pids) {
     // Stopped and reaped: no zombie left either.
-    EXPECT_TRUE(ProcessGone(pid)) << "pid " << pid << " is still there";
+    EXPECT_TRUE(test_util::ProcessGone(pid)) << "pid " << pid << " is still there";
   }
-  EXPECT_TRUE(NoChildLeft());
-  EXPECT_FALSE(PathExists(log_dir + "/expert-0.pid"));
-  EXPECT_FALSE(PathExists(log_dir + "/expert-0.port"));
-  EXPECT_TRUE(PathExists(log_dir + "/expert-0.log"));  // the logs stay
+  EXPECT_TRUE(test_util::NoChildLeft());
+  EXPECT_FALSE(test_util::PathExists(log_dir + "/expert-0.pid"));
+  EXPECT_FALSE(test_util::PathExists(log_dir + "/expert-0.port"));
+  EXPECT_TRUE(test_util::PathExists(log_dir + "/expert-0.log"));  // the logs stay
 
   cluster.Stop();  // a no-op
   EXPECT_EQ(cluster.pids(), pids);
   EXPECT_EQ(cluster.CheckAlive().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 TEST_F(LocalExpertClusterTest, InfoHandshakeRefusesAnotherShapeOrGroup) {
@@ -240,7 +235,7 @@ TEST_F(LocalExpertClusterTest, ServesEachGroupsMetricsWhenAsked) {
                                               "\"} 0")));
   }
   cluster.Stop();
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 
   // Off by default.
   started = LocalExpertCluster::Start(TinyOptions(dir_.path() + "/logs2"));
@@ -259,7 +254,7 @@ TEST_F(LocalExpertClusterTest, FindsTheBinaryByItselfAndStopsWhenDestroyed) {
   std::unique_ptr<LocalExpertCluster> cluster = *std::move(started);
   const std::string log_dir = cluster->log_dir();
   EXPECT_THAT(log_dir, StartsWith("/tmp/himoe-experts-"));
-  EXPECT_THAT(ReadTextFile(log_dir + "/expert-0.log"),
+  EXPECT_THAT(test_util::ReadTextFile(log_dir + "/expert-0.log"),
               StartsWith(absl::StrCat(
                   "# ", CanonicalPath(HIMOE_EXPERT_BINARY).value_or("?"), " ")));
   const std::vector<int> pids = cluster->pids();
@@ -267,8 +262,9 @@ TEST_F(LocalExpertClusterTest, FindsTheBinaryByItselfAndStopsWhenDestroyed) {
   for (int pid : pids) EXPECT_EQ(kill(pid, 0), 0);
 
   cluster.reset();
-  for (int pid : pids) EXPECT_TRUE(ProcessGone(pid)) << "pid " << pid << " is still there";
-  EXPECT_TRUE(NoChildLeft());
+  for (int pid : pids)
+    EXPECT_TRUE(test_util::ProcessGone(pid)) << "pid " << pid << " is still there";
+  EXPECT_TRUE(test_util::NoChildLeft());
   (void)RemoveAll(log_dir);
 }
 
@@ -301,8 +297,9 @@ TEST_F(LocalExpertClusterTest, CheckAliveNamesADeadGroup) {
   EXPECT_EQ(kill(pids[0], 0), 0);
 
   cluster.Stop();
-  for (int pid : pids) EXPECT_TRUE(ProcessGone(pid)) << "pid " << pid << " is still there";
-  EXPECT_TRUE(NoChildLeft());
+  for (int pid : pids)
+    EXPECT_TRUE(test_util::ProcessGone(pid)) << "pid " << pid << " is still there";
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 // With TLS files every group serves mutual TLS only, the readiness probes
@@ -324,7 +321,7 @@ TEST_F(LocalExpertClusterTest, ServesMutualTlsOnlyWhenGivenCertificates) {
     return channel.ok() ? ProbeExpertInfo(*channel, g, options.shape) : channel.status();
   };
   for (int g = 0; g < 2; ++g) {
-    EXPECT_THAT(ReadTextFile(absl::StrCat(dir_.path(), "/logs/expert-", g, ".log")),
+    EXPECT_THAT(test_util::ReadTextFile(absl::StrCat(dir_.path(), "/logs/expert-", g, ".log")),
                 HasSubstr(absl::StrCat("--tls_ca=", certs, "/ca.pem")));
     EXPECT_TRUE(info(g, client).ok()) << info(g, client);
     EXPECT_EQ(info(g, TlsFiles()).code(), absl::StatusCode::kUnavailable) << "plaintext";
@@ -341,7 +338,7 @@ TEST_F(LocalExpertClusterTest, ServesMutualTlsOnlyWhenGivenCertificates) {
   EXPECT_TRUE(info(1, client).ok()) << info(1, client);
   EXPECT_EQ(info(1, TlsFiles()).code(), absl::StatusCode::kUnavailable) << "plaintext";
   cluster.Stop();
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 TEST_F(LocalExpertClusterTest, RefusesABadBinaryWithoutStartingAnything) {
@@ -353,15 +350,15 @@ TEST_F(LocalExpertClusterTest, RefusesABadBinaryWithoutStartingAnything) {
   EXPECT_EQ(started.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(started.status().message(), HasSubstr(options.binary));
   EXPECT_THAT(started.status().message(), HasSubstr("not an executable file"));
-  EXPECT_FALSE(PathExists(log_dir));
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_FALSE(test_util::PathExists(log_dir));
+  EXPECT_TRUE(test_util::NoChildLeft());
 
   // A directory is not a binary either.
   options.binary = dir_.path();
   started = LocalExpertCluster::Start(options);
   ASSERT_FALSE(started.ok());
   EXPECT_EQ(started.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 
   // Nothing to start.
   options = TinyOptions(log_dir);
@@ -370,7 +367,7 @@ TEST_F(LocalExpertClusterTest, RefusesABadBinaryWithoutStartingAnything) {
   ASSERT_FALSE(started.ok());
   EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(started.status().message(), HasSubstr("num_groups"));
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 
   // A shape without a dtype is refused, not sent as "DTYPE_UNSPECIFIED".
   options = TinyOptions(log_dir);
@@ -379,14 +376,14 @@ TEST_F(LocalExpertClusterTest, RefusesABadBinaryWithoutStartingAnything) {
   ASSERT_FALSE(started.ok());
   EXPECT_EQ(started.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(started.status().message(), HasSubstr("dtype"));
-  EXPECT_FALSE(PathExists(log_dir));
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_FALSE(test_util::PathExists(log_dir));
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 TEST_F(LocalExpertClusterTest, ReportsAProcessThatExitsAtOnce) {
   // An executable that is not a himoe-expert: it prints a line and fails.
   const std::string fake = dir_.path() + "/fake-expert";
-  WriteTextFile(fake, "#!/bin/sh\necho fake expert refuses \"$2\"\nexit 3\n");
+  test_util::WriteTextFile(fake, "#!/bin/sh\necho fake expert refuses \"$2\"\nexit 3\n");
   ASSERT_EQ(chmod(fake.c_str(), 0755), 0);
   const std::string log_dir = dir_.path() + "/logs";
   ExpertProcessOptions options = TinyOptions(log_dir);
@@ -397,14 +394,14 @@ TEST_F(LocalExpertClusterTest, ReportsAProcessThatExitsAtOnce) {
   EXPECT_THAT(started.status().message(), HasSubstr("expert group "));
   EXPECT_THAT(started.status().message(), HasSubstr("exited with code 3"));
   EXPECT_THAT(started.status().message(), HasSubstr("fake expert refuses --group_id="));
-  EXPECT_TRUE(NoChildLeft());
-  EXPECT_FALSE(PathExists(log_dir + "/expert-0.pid"));
+  EXPECT_TRUE(test_util::NoChildLeft());
+  EXPECT_FALSE(test_util::PathExists(log_dir + "/expert-0.pid"));
 }
 
 TEST_F(LocalExpertClusterTest, ReportsAProcessThatNeverGetsReady) {
   // Starts, prints a line, never serves (and dies on SIGTERM).
   const std::string fake = dir_.path() + "/fake-expert";
-  WriteTextFile(fake, "#!/bin/sh\necho fake expert starting\nexec sleep 600\n");
+  test_util::WriteTextFile(fake, "#!/bin/sh\necho fake expert starting\nexec sleep 600\n");
   ASSERT_EQ(chmod(fake.c_str(), 0755), 0);
   ExpertProcessOptions options = TinyOptions(dir_.path() + "/logs");
   options.binary = fake;
@@ -418,7 +415,7 @@ TEST_F(LocalExpertClusterTest, ReportsAProcessThatNeverGetsReady) {
   EXPECT_THAT(started.status().message(), HasSubstr("is not ready after 2 s"));
   EXPECT_THAT(started.status().message(), HasSubstr("no port file yet"));
   EXPECT_THAT(started.status().message(), HasSubstr("fake expert starting"));
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 // Where the death test's child writes the pids of its experts: named after
@@ -451,7 +448,7 @@ TEST_F(LocalExpertClusterTest, ExpertsDieWithTheirParent) {
           std::fprintf(stderr, "Start failed: %s\n", started.status().ToString().c_str());
           std::_Exit(3);
         }
-        WriteTextFile(list + ".tmp", absl::StrJoin((*started)->pids(), " "));
+        test_util::WriteTextFile(list + ".tmp", absl::StrJoin((*started)->pids(), " "));
         std::rename((list + ".tmp").c_str(), list.c_str());
         (void)started->release();
         (void)RemoveAll(dir_.path());  // (this child's fixture never tears down)
@@ -480,7 +477,7 @@ TEST_F(LocalExpertClusterTest, ExpertsDieWithTheirParent) {
           << "wait status " << status;
     }
   }
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 // --- ServiceSet with stand-in shell services ----------------------------------
@@ -490,7 +487,7 @@ class ServiceSetTest : public ChildrenTest {
   // An executable shell script in the test directory.
   std::string Script(const std::string& name, const std::string& body) {
     const std::string path = dir_.path() + "/" + name;
-    WriteTextFile(path, "#!/bin/sh\n" + body);
+    test_util::WriteTextFile(path, "#!/bin/sh\n" + body);
     EXPECT_EQ(chmod(path.c_str(), 0755), 0);
     return path;
   }
@@ -514,9 +511,9 @@ TEST_F(ServiceSetTest, ReportsAServiceWithoutPortFileWithItsLogTail) {
   spec.address = "127.0.0.1:50999";
   spec.probe = [](const std::shared_ptr<grpc::Channel>&) { return absl::OkStatus(); };
   // A stale port file from an earlier run does not count as ready.
-  WriteTextFile(spec.port_file, "50999\n");
+  test_util::WriteTextFile(spec.port_file, "50999\n");
   ASSERT_TRUE(set.Start(spec).ok());
-  EXPECT_FALSE(PathExists(spec.port_file));
+  EXPECT_FALSE(test_util::PathExists(spec.port_file));
 
   const absl::Status ready =
       set.WaitUntilReady(Clock::now(), std::chrono::seconds(7), std::chrono::milliseconds(10));
@@ -530,9 +527,9 @@ TEST_F(ServiceSetTest, ReportsAServiceWithoutPortFileWithItsLogTail) {
 
   set.Stop();
   EXPECT_TRUE(set.stopped());
-  EXPECT_TRUE(ProcessGone(set.pids()[0]));
-  EXPECT_FALSE(PathExists(spec.pid_file));
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::ProcessGone(set.pids()[0]));
+  EXPECT_FALSE(test_util::PathExists(spec.pid_file));
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 TEST_F(ServiceSetTest, ReadsThePortFileProbesWatchesAndStops) {
@@ -546,7 +543,7 @@ TEST_F(ServiceSetTest, ReadsThePortFileProbesWatchesAndStops) {
     return ++probes < 2 ? absl::UnavailableError("warming up") : absl::OkStatus();
   };
   ASSERT_TRUE(set.Start(spec).ok());
-  ASSERT_TRUE(PathExists(spec.pid_file));
+  ASSERT_TRUE(test_util::PathExists(spec.pid_file));
   const absl::Status ready = set.WaitUntilReady(Clock::now() + kReadyTimeout, kReadyTimeout,
                                                 std::chrono::milliseconds(10));
   ASSERT_TRUE(ready.ok()) << ready;
@@ -574,9 +571,9 @@ TEST_F(ServiceSetTest, ReadsThePortFileProbesWatchesAndStops) {
               HasSubstr(absl::StrCat("svc (pid ", pid, ", 127.0.0.1:4321) was killed by signal 9")));
 
   set.Stop();
-  EXPECT_FALSE(PathExists(spec.pid_file));
-  EXPECT_FALSE(PathExists(spec.port_file));
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_FALSE(test_util::PathExists(spec.pid_file));
+  EXPECT_FALSE(test_util::PathExists(spec.port_file));
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 TEST_F(ServiceSetTest, KillsWhatIgnoresSigtermAfterTheGrace) {
@@ -601,7 +598,7 @@ TEST_F(ServiceSetTest, KillsWhatIgnoresSigtermAfterTheGrace) {
   EXPECT_EQ(WTERMSIG(set[1].process.wait_status()), SIGTERM);
   set.Stop(options);  // a no-op
   EXPECT_EQ(killed.size(), 1u);
-  EXPECT_TRUE(NoChildLeft());
+  EXPECT_TRUE(test_util::NoChildLeft());
 }
 
 }  // namespace
