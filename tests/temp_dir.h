@@ -9,9 +9,9 @@
 #include <stdlib.h>
 
 #include <fstream>
-#include <iterator>
 #include <string>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/file_util.h"
@@ -51,8 +51,8 @@ inline void WriteTextFile(const std::string& path, absl::string_view text) {
 
 // The whole of `path`, or "" when it cannot be read.
 inline std::string ReadTextFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  absl::StatusOr<std::string> text = ReadFileToString(path);
+  return text.ok() ? *std::move(text) : std::string();
 }
 
 inline bool PathExists(const std::string& path) { return KindOf(path) != PathKind::kMissing; }
