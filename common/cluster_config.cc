@@ -154,6 +154,17 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
     if (t.ca().empty() || t.cert().empty() || t.key().empty()) {
       return Invalid(origin, "tls: ca, cert and key are all needed (PEM files)");
     }
+    for (const auto& [name, role] :
+         {std::pair{"trainer", &t.trainer()}, std::pair{"router", &t.router()}}) {
+      const bool set = name == std::string("trainer") ? t.has_trainer() : t.has_router();
+      if (set && (role->cert().empty() || role->key().empty() || role->identity().empty())) {
+        return Invalid(origin,
+                       absl::StrCat("tls.", name, ": cert, key and identity are all needed"));
+      }
+    }
+    if (t.has_router() && !t.has_trainer()) {
+      return Invalid(origin, "tls.router: roles need tls.trainer too (no one could train)");
+    }
   }
   return c;
 }
@@ -167,8 +178,13 @@ absl::StatusOr<v1::ClusterConfig> LoadClusterConfig(const std::string& path) {
   if (c.ok() && c->has_tls()) {
     const std::string::size_type slash = path.rfind('/');
     const std::string dir = slash == std::string::npos ? "" : path.substr(0, slash + 1);
-    for (std::string* file : {c->mutable_tls()->mutable_ca(), c->mutable_tls()->mutable_cert(),
-                              c->mutable_tls()->mutable_key()}) {
+    v1::TlsSpec* t = c->mutable_tls();
+    std::vector<std::string*> files = {t->mutable_ca(), t->mutable_cert(), t->mutable_key()};
+    for (v1::TlsRole* role : {t->has_trainer() ? t->mutable_trainer() : nullptr,
+                              t->has_router() ? t->mutable_router() : nullptr}) {
+      if (role != nullptr) files.insert(files.end(), {role->mutable_cert(), role->mutable_key()});
+    }
+    for (std::string* file : files) {
       if (!file->empty() && (*file)[0] != '/') *file = dir + *file;
     }
   }
@@ -202,9 +218,15 @@ std::string ExpertsOffThisHostCpu(const v1::ClusterConfig& cluster) {
   return "";
 }
 
-TlsFiles ClusterTls(const v1::ClusterConfig& cluster, const TlsFiles& flags) {
+TlsFiles ClusterTls(const v1::ClusterConfig& cluster, const TlsFiles& flags, ClusterRole role) {
   if (flags.enabled() || !cluster.has_tls()) return flags;
-  return TlsFiles{cluster.tls().ca(), cluster.tls().cert(), cluster.tls().key()};
+  const v1::TlsSpec& t = cluster.tls();
+  const bool has = role == ClusterRole::kTrainer  ? t.has_trainer()
+                   : role == ClusterRole::kRouter ? t.has_router()
+                                                  : false;
+  if (!has) return TlsFiles{t.ca(), t.cert(), t.key()};
+  const v1::TlsRole& r = role == ClusterRole::kTrainer ? t.trainer() : t.router();
+  return TlsFiles{t.ca(), r.cert(), r.key()};
 }
 
 }  // namespace himoe

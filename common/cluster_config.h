@@ -30,9 +30,12 @@ int LocalServiceThreads(const v1::ClusterConfig& cluster);
 // another host or a GPU), or "" when all of it is.
 std::string ExpertsOffThisHostCpu(const v1::ClusterConfig& cluster);
 
-// The TLS files of a service of `cluster`: `flags` when any is set (the
-// command line overrides the file), else the cluster file's `tls`.
-TlsFiles ClusterTls(const v1::ClusterConfig& cluster, const TlsFiles& flags = TlsFiles());
+enum class ClusterRole { kExpert, kTrainer, kRouter };
+// The TLS files of `role`'s process in `cluster`: `flags` when any is set
+// (the command line overrides the file), else the cluster file's `tls`, with
+// the role's own certificate when the file names one.
+TlsFiles ClusterTls(const v1::ClusterConfig& cluster, const TlsFiles& flags = TlsFiles(),
+                    ClusterRole role = ClusterRole::kExpert);
 
 }  // namespace himoe
 

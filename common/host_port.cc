@@ -63,6 +63,15 @@ bool IsLocalHost(absl::string_view host) {
   return false;
 }
 
+bool IsLoopbackHost(absl::string_view host) {
+  if (host == "localhost") return true;
+  const std::string h(host);
+  in_addr v4;
+  if (inet_pton(AF_INET, h.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6;
+  return inet_pton(AF_INET6, h.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
+}
+
 std::string DialHost(absl::string_view host) {
   if (host == "0.0.0.0") return "127.0.0.1";
   if (host == "::") return "::1";

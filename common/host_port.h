@@ -22,6 +22,8 @@ std::string JoinHostPort(absl::string_view host, int port);
 
 // Loopback or "all local interfaces" (127.0.0.0/8, ::1, 0.0.0.0, ::, localhost).
 bool IsLocalHost(absl::string_view host);
+// Loopback only (127.0.0.0/8, ::1, localhost): no other host can connect.
+bool IsLoopbackHost(absl::string_view host);
 
 // Where this machine reaches a service listening on `host` (0.0.0.0 -> 127.0.0.1,
 // :: -> ::1, anything else unchanged).

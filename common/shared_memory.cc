@@ -9,17 +9,21 @@
 
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace himoe {
 namespace {
 
 constexpr absl::string_view kPrefix = "/himoe-";
 constexpr size_t kMaxNameBytes = 64;
+constexpr absl::string_view kHeaderMagic = "himoerg1";
+static_assert(kHeaderMagic.size() + kSharedMemoryKeyBytes <= kSharedMemoryHeaderBytes);
 
 bool NameChar(char c) { return absl::ascii_isalnum(c) || c == '.' || c == '_' || c == '-'; }
 
@@ -50,8 +54,17 @@ absl::Status CheckSharedMemoryName(absl::string_view name, absl::string_view fie
 absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Create(
     absl::string_view tag, uint64_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("shared memory: a region needs bytes > 0");
-  std::random_device random;
+  if (bytes > std::numeric_limits<uint64_t>::max() / 2) {
+    return absl::InvalidArgumentError(absl::StrCat("shared memory: ", bytes, " bytes is too many"));
+  }
+  std::random_device random;  // /dev/urandom
   const uint64_t nonce = (static_cast<uint64_t>(random()) << 32) ^ random();
+  std::string key(kSharedMemoryKeyBytes, '\0');
+  for (size_t i = 0; i < key.size(); i += 4) {
+    const uint32_t word = random();
+    std::memcpy(&key[i], &word, 4);
+  }
+  const uint64_t file_bytes = kSharedMemoryHeaderBytes + bytes;
   const std::string name = absl::StrCat(kPrefix, getpid(), "-", absl::Hex(nonce), "-", tag);
   if (absl::Status s = CheckSharedMemoryName(name, "shared memory tag"); !s.ok()) return s;
   const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
@@ -67,17 +80,19 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Create(
   if (flock(fd, LOCK_SH) != 0) return fail(Errno("locking", name));
   // posix_fallocate, not only ftruncate: the pages are taken now, so a full
   // /dev/shm is an error here rather than a SIGBUS at the first write.
-  const int err = ftruncate(fd, static_cast<off_t>(bytes)) != 0
+  const int err = ftruncate(fd, static_cast<off_t>(file_bytes)) != 0
                       ? errno
-                      : posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+                      : posix_fallocate(fd, 0, static_cast<off_t>(file_bytes));
   if (err != 0) {
     errno = err;
     return fail(Errno("allocating", name));
   }
-  auto base = MapWhole(fd, bytes, name);
-  if (!base.ok()) return fail(base.status());
+  auto map = MapWhole(fd, file_bytes, name);
+  if (!map.ok()) return fail(map.status());
+  std::memcpy(*map, kHeaderMagic.data(), kHeaderMagic.size());
+  std::memcpy(*map + kHeaderMagic.size(), key.data(), key.size());
   return std::unique_ptr<SharedMemoryRegion>(
-      new SharedMemoryRegion(name, *base, bytes, /*owner=*/true, fd));
+      new SharedMemoryRegion(name, std::move(key), *map, bytes, /*owner=*/true, fd));
 }
 
 absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Open(
@@ -91,21 +106,28 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Open(
     close(fd);
     return s;
   }
-  if (st.st_size <= 0) {
+  if (st.st_size < static_cast<off_t>(kSharedMemoryHeaderBytes)) {
     close(fd);
     return absl::FailedPreconditionError(
-        absl::StrCat("shared memory region '", name, "' is empty"));
+        absl::StrCat("shared memory region '", name, "' has ", st.st_size,
+                     " bytes, fewer than a himoe region's header"));
   }
-  const uint64_t bytes = static_cast<uint64_t>(st.st_size);
-  auto base = MapWhole(fd, bytes, name);
+  const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
+  auto map = MapWhole(fd, file_bytes, name);
   close(fd);
-  if (!base.ok()) return base.status();
-  return std::unique_ptr<SharedMemoryRegion>(
-      new SharedMemoryRegion(name, *base, bytes, /*owner=*/false, -1));
+  if (!map.ok()) return map.status();
+  if (std::memcmp(*map, kHeaderMagic.data(), kHeaderMagic.size()) != 0) {
+    munmap(*map, file_bytes);
+    return absl::FailedPreconditionError(
+        absl::StrCat("shared memory region '", name, "' has no himoe header"));
+  }
+  std::string key(reinterpret_cast<const char*>(*map) + kHeaderMagic.size(), kSharedMemoryKeyBytes);
+  return std::unique_ptr<SharedMemoryRegion>(new SharedMemoryRegion(
+      name, std::move(key), *map, file_bytes - kSharedMemoryHeaderBytes, /*owner=*/false, -1));
 }
 
 SharedMemoryRegion::~SharedMemoryRegion() {
-  munmap(base_, size_);
+  munmap(map_, kSharedMemoryHeaderBytes + size_);
   if (owner_) shm_unlink(name_.c_str());
   if (fd_ >= 0) close(fd_);  // drops the lock, after the name is gone
 }
@@ -145,17 +167,33 @@ absl::StatusOr<uint8_t*> SharedMemoryRegion::Slice(uint64_t offset, uint64_t byt
         field, ": bytes [", offset, ", ", offset, " + ", bytes, ") lie outside region '", name_,
         "' of ", size_, " bytes"));
   }
-  return base_ + offset;
+  return map_ + kSharedMemoryHeaderBytes + offset;
+}
+
+absl::Status SharedMemoryRegion::CheckKey(absl::string_view key, absl::string_view field) const {
+  if (key.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        field, ".key: missing; region '", name_, "' is used only with the key its creator sent"));
+  }
+  unsigned char diff = key.size() == key_.size() ? 0 : 1;
+  for (size_t i = 0; i < key_.size(); ++i) {
+    diff |= static_cast<unsigned char>(key_[i] ^ (i < key.size() ? key[i] : 0));
+  }
+  if (diff == 0) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat(field, ".key: not the key of region '", name_,
+                   "'; a service reads and writes a region only for the client that created it"));
 }
 
 absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryAttachments::Find(
-    const std::string& name, absl::string_view field) {
+    const std::string& name, absl::string_view key, absl::string_view field) {
   if (absl::Status s = CheckSharedMemoryName(name, absl::StrCat(field, ".region")); !s.ok()) {
     return s;
   }
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = regions_.begin(); it != regions_.end(); ++it) {
     if ((*it)->name() != name) continue;
+    HIMOE_RETURN_IF_ERROR((*it)->CheckKey(key, field));
     regions_.splice(regions_.begin(), regions_, it);
     return regions_.front();
   }
@@ -170,6 +208,7 @@ absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> SharedMemoryAttachments::Fin
                          ? " (shared memory works only with a client on this host)"
                          : ""));
   }
+  HIMOE_RETURN_IF_ERROR((*opened)->CheckKey(key, field));
   regions_.push_front(std::move(*opened));
   // Calls still running keep a closed region's mapping alive (shared_ptr).
   while (regions_.size() > capacity_) regions_.pop_back();
@@ -181,9 +220,13 @@ size_t SharedMemoryAttachments::open_regions() const {
   return regions_.size();
 }
 
-absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> OwnSharedMemory::Find(
-    const std::string& name, absl::string_view field) {
-  if (region_ != nullptr && region_->name() == name) return region_;
+absl::StatusOr<std::shared_ptr<SharedMemoryRegion>> OwnSharedMemory::Find(const std::string& name,
+                                                                          absl::string_view key,
+                                                                          absl::string_view field) {
+  if (region_ != nullptr && region_->name() == name) {
+    HIMOE_RETURN_IF_ERROR(region_->CheckKey(key, field));
+    return region_;
+  }
   return absl::InvalidArgumentError(absl::StrCat(
       field, ".region: '", name, "' is not the region this call sent ('",
       region_ == nullptr ? "" : region_->name(), "')"));

@@ -82,6 +82,7 @@ absl::Status EncodeTensorShared(const at::Tensor& tensor, SharedMemoryRegion& re
     out->clear_data();
     v1::SharedMemorySlice* slice = out->mutable_shared();
     slice->set_region(region.name());
+    slice->set_key(region.key());
     slice->set_offset(offset);
     slice->set_byte_size(size);
     return absl::OkStatus();
@@ -172,8 +173,9 @@ absl::StatusOr<at::Tensor> TakeTensor(v1::Tensor* proto, absl::string_view field
           slice_field, ": this service takes no shared memory; expected the bytes in data (an "
           "expert service takes shared memory when started with --shared_memory)"));
     }
-    HIMOE_ASSIGN_OR_RETURN(std::shared_ptr<SharedMemoryRegion> region,
-                           shared->Find(proto->shared().region(), slice_field));
+    HIMOE_ASSIGN_OR_RETURN(
+        std::shared_ptr<SharedMemoryRegion> region,
+        shared->Find(proto->shared().region(), proto->shared().key(), slice_field));
     HIMOE_ASSIGN_OR_RETURN(uint8_t* const bytes,
                            region->Slice(proto->shared().offset(), layout.bytes, slice_field));
     at::Tensor out;

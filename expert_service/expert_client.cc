@@ -33,6 +33,8 @@ struct ExpertGroupClient::Call {
   Done done;
   size_t replica = 0;
   ExpertGroupClient::Deadline deadline = ExpertGroupClient::Deadline::max();
+  // Checks an OK answer from replica `replica` (null: none).
+  std::function<absl::Status(size_t replica)> check;
   std::unique_ptr<grpc::ClientContext, ContextDeleter> context;
   std::string errors;  // of replicas tried so far
 };
@@ -66,13 +68,45 @@ absl::StatusOr<std::unique_ptr<ExpertGroupClient>> ExpertGroupClient::Create(
 void ExpertGroupClient::ForwardAsync(const v1::ExpertForwardRequest* request,
                                      v1::ExpertForwardResponse* response, Done done,
                                      Deadline deadline) {
-  StartCall(
-      [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
-                          std::function<void(grpc::Status)> on_status) {
-        response->Clear();
-        stub->async()->Forward(context, request, response, std::move(on_status));
-      },
-      /*failover=*/true, std::move(done), deadline);
+  auto call = std::make_shared<Call>();
+  call->start = [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
+                                    std::function<void(grpc::Status)> on_status) {
+    response->Clear();
+    stub->async()->Forward(context, request, response, std::move(on_status));
+  };
+  call->failover = true;
+  call->done = std::move(done);
+  call->deadline = deadline;
+  call->check = [this, response](size_t replica) {
+    return CheckWeights(replica, response->weights_fingerprint());
+  };
+  Attempt(std::move(call));
+}
+
+absl::Status ExpertGroupClient::CheckWeights(size_t replica, const std::string& served) {
+  std::string pinned;
+  {
+    std::lock_guard<std::mutex> lock(pins_mu_);
+    if (pins_[replica].empty() && options_.pin_weights) pins_[replica] = served;
+    pinned = pins_[replica];
+  }
+  if (pinned.empty() || pinned == served) return absl::OkStatus();
+  if (on_weights_changed_) on_weights_changed_(replica, served);
+  return absl::FailedPreconditionError(absl::StrCat(
+      "expert group ", options_.group_id, " at ", options_.addresses[replica],
+      ": weights_fingerprint: it serves weights '", served, "', not the '", pinned,
+      "' this client loaded or checked (a BeginRun, SetState or Step since, or a restart); "
+      "its outputs are refused"));
+}
+
+void ExpertGroupClient::PinWeights(size_t replica, const std::string& fingerprint) {
+  std::lock_guard<std::mutex> lock(pins_mu_);
+  if (replica < pins_.size()) pins_[replica] = fingerprint;
+}
+
+std::string ExpertGroupClient::pinned_weights(size_t replica) const {
+  std::lock_guard<std::mutex> lock(pins_mu_);
+  return replica < pins_.size() ? pins_[replica] : "";
 }
 
 void ExpertGroupClient::BackwardAsync(const v1::ExpertBackwardRequest* request,
@@ -119,7 +153,7 @@ void ExpertGroupClient::Attempt(std::shared_ptr<Call> call) {
     // the trainer's exit.
     call->context.reset();
     if (status.ok()) {
-      call->done(absl::OkStatus());
+      call->done(call->check ? call->check(call->replica) : absl::OkStatus());
       return;
     }
     absl::StrAppend(&call->errors, call->errors.empty() ? "" : "; ",
@@ -168,9 +202,11 @@ absl::StatusOr<v1::ExpertInfoResponse> ExpertGroupClient::InfoFrom(size_t* repli
       absl::StrCat("expert group ", options_.group_id, " unreachable (", errors, ")"));
 }
 
-absl::Status ExpertGroupClient::CheckInfo(const v1::ExpertShape& expected) {
+absl::Status ExpertGroupClient::CheckInfo(const v1::ExpertShape& expected,
+                                          v1::ExpertInfoResponse* answer) {
   size_t replica = 0;
   HIMOE_ASSIGN_OR_RETURN(const v1::ExpertInfoResponse info, InfoFrom(&replica));
+  if (answer != nullptr) *answer = info;
   const std::string where = absl::StrCat("expert service at ", options_.addresses[replica]);
   if (info.group_id() != options_.group_id) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -193,11 +229,25 @@ absl::StatusOr<v1::ExpertAbortResponse> ExpertGroupClient::Abort(uint64_t step,
   return response;
 }
 
-absl::StatusOr<v1::BeginRunResponse> ExpertGroupClient::BeginRun(const std::string& run_id) {
+absl::StatusOr<v1::ExpertInfoResponse> ExpertGroupClient::InfoAt(size_t replica) {
+  if (replica >= stubs_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("replica: ", replica, " of ", stubs_.size()));
+  }
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  v1::ExpertInfoResponse response;
+  const grpc::Status status = stubs_[replica]->Info(&context, v1::ExpertInfoRequest(), &response);
+  if (!status.ok()) return Named(status, replica);
+  return response;
+}
+
+absl::StatusOr<v1::BeginRunResponse> ExpertGroupClient::BeginRun(const std::string& run_id,
+                                                                 bool take_over) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
   v1::BeginRunRequest request;
   request.set_run_id(run_id);
+  request.set_take_over(take_over);
   v1::BeginRunResponse response;
   const grpc::Status status = stubs_[0]->BeginRun(&context, request, &response);
   if (!status.ok()) return Named(status, 0);
@@ -223,17 +273,33 @@ absl::StatusOr<std::vector<NamedTensor>> ExpertGroupClient::GetState(bool includ
 
 absl::Status ExpertGroupClient::SetState(const std::vector<NamedTensor>& state,
                                          int64_t chunk_bytes) {
+  return StreamState(state, chunk_bytes, /*served=*/false, /*replica=*/0).status();
+}
+
+absl::StatusOr<std::string> ExpertGroupClient::ServeState(const std::vector<NamedTensor>& state,
+                                                          size_t replica, int64_t chunk_bytes) {
+  return StreamState(state, chunk_bytes, /*served=*/true, replica);
+}
+
+absl::StatusOr<std::string> ExpertGroupClient::StreamState(const std::vector<NamedTensor>& state,
+                                                           int64_t chunk_bytes, bool served,
+                                                           size_t replica) {
+  if (replica >= stubs_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("replica: ", replica, " of ", stubs_.size()));
+  }
   HIMOE_ASSIGN_OR_RETURN(auto chunker, StateChunker::Create(state, chunk_bytes));
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
   v1::SetStateResponse response;
-  auto writer = stubs_[0]->SetState(&context, &response);
+  auto writer = stubs_[replica]->SetState(&context, &response);
   for (v1::StateChunk chunk; chunker->Next(&chunk);) {
+    chunk.set_served(served);
     if (!writer->Write(chunk)) break;  // the server ended the stream early
   }
   writer->WritesDone();
   const grpc::Status status = writer->Finish();
-  return status.ok() ? absl::OkStatus() : Named(status, 0);
+  if (!status.ok()) return Named(status, replica);
+  return response.weights_fingerprint();
 }
 
 absl::Status FanOut(size_t n,

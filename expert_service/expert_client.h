@@ -1,15 +1,16 @@
 #ifndef HIMOE_EXPERT_SERVICE_EXPERT_CLIENT_H_
 #define HIMOE_EXPERT_SERVICE_EXPERT_CLIENT_H_
 
+#include <grpcpp/channel.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
-
-#include <grpcpp/channel.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -28,6 +29,9 @@ struct ExpertGroupClientOptions {
   int max_message_bytes = 64 << 20;
   // Mutual TLS to the group (empty = plaintext).
   TlsFiles tls;
+  // A replica's first Forward answer pins its weights fingerprint, unless
+  // PinWeights pinned one before (see PinWeights).
+  bool pin_weights = false;
 };
 
 // Client of one expert group (and its replicas). Calls are asynchronous
@@ -59,17 +63,35 @@ class ExpertGroupClient {
   // Blocking calls (first address; Info fails over).
   absl::StatusOr<v1::ExpertInfoResponse> Info();
   absl::StatusOr<v1::ExpertAbortResponse> Abort(uint64_t step, const std::string& run_id = "");
-  absl::StatusOr<v1::BeginRunResponse> BeginRun(const std::string& run_id);
+  absl::StatusOr<v1::BeginRunResponse> BeginRun(const std::string& run_id, bool take_over = false);
+  // Info from replica `replica` only.
+  absl::StatusOr<v1::ExpertInfoResponse> InfoAt(size_t replica);
   // The group's state (ExpertServiceCore::GetState names), streamed in chunks.
   absl::StatusOr<std::vector<NamedTensor>> GetState(bool include_optimizer);
   // Streams `state` in chunks of chunk_bytes; the service applies all of it
   // or nothing.
   absl::Status SetState(const std::vector<NamedTensor>& state, int64_t chunk_bytes = 1 << 20);
+  // SetState of a model a router serves, to replica `replica` (the group
+  // then refuses a BeginRun without take_over); the weights fingerprint the
+  // replica reports for it.
+  absl::StatusOr<std::string> ServeState(const std::vector<NamedTensor>& state, size_t replica,
+                                         int64_t chunk_bytes = 1 << 20);
 
+  // From now on, a Forward answer from replica `replica` must carry
+  // `fingerprint` (ExpertForwardResponse.weights_fingerprint): the call
+  // fails with FAILED_PRECONDITION naming the group, the address and both
+  // fingerprints otherwise, and on_weights_changed hears of it.
+  void PinWeights(size_t replica, const std::string& fingerprint);
+  std::string pinned_weights(size_t replica) const;  // empty: none
+  using WeightsChanged = std::function<void(size_t replica, const std::string& served)>;
+  // Runs on a gRPC thread for every answer refused by its fingerprint. Set
+  // before the first call.
+  void set_on_weights_changed(WeightsChanged f) { on_weights_changed_ = std::move(f); }
   // The Info handshake: the service answering (with failover) must serve this
   // group of exactly `expected` (seed and dtype included); FailedPrecondition
   // naming the address and every differing field otherwise.
-  absl::Status CheckInfo(const v1::ExpertShape& expected);
+  // `info`, if not null, gets the answer.
+  absl::Status CheckInfo(const v1::ExpertShape& expected, v1::ExpertInfoResponse* info = nullptr);
 
   // Calls whose gRPC context is alive. A call releases its context (and the
   // reference to the channel it holds) before its `done` runs, so this is 0
@@ -85,7 +107,13 @@ class ExpertGroupClient {
   // Issues the RPC on a stub with a fresh context; `on_status` gets its status.
   using Start = std::function<void(v1::ExpertService::Stub*, grpc::ClientContext*,
                                    std::function<void(grpc::Status)>)>;
-  explicit ExpertGroupClient(const ExpertGroupClientOptions& options) : options_(options) {}
+  explicit ExpertGroupClient(const ExpertGroupClientOptions& options)
+      : options_(options), pins_(options.addresses.size()) {}
+  // OK when replica `replica` serves the weights pinned for it (pinning them
+  // first when options.pin_weights and none are).
+  absl::Status CheckWeights(size_t replica, const std::string& served);
+  absl::StatusOr<std::string> StreamState(const std::vector<NamedTensor>& state,
+                                          int64_t chunk_bytes, bool served, size_t replica);
   void StartCall(Start start, bool failover, Done done, Deadline deadline = Deadline::max());
   void Attempt(std::shared_ptr<Call> call);
   absl::Status Named(const grpc::Status& status, size_t replica) const;
@@ -96,6 +124,9 @@ class ExpertGroupClient {
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::ExpertService::Stub>> stubs_;
   std::atomic<int> calls_in_flight_{0};
+  mutable std::mutex pins_mu_;
+  std::vector<std::string> pins_;  // guarded by pins_mu_; by replica
+  WeightsChanged on_weights_changed_;
 };
 
 // Starts n calls (start(i, done) for each i) and waits for every one of them;

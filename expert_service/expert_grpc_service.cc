@@ -1,15 +1,16 @@
 #include "expert_service/expert_grpc_service.h"
 
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
 #include <algorithm>
 #include <chrono>
 #include <utility>
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
-
 #include "absl/strings/str_cat.h"
 #include "common/host_port.h"
 #include "common/status_macros.h"
+#include "expert_service/expert_access.h"
 #include "expert_service/state_stream.h"
 #include "proto/grpc_status.h"
 #include "proto/raw_rpc.h"
@@ -125,6 +126,7 @@ class SetStateReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       absl::Status status =
           ParseRaw(buffer_, absl::StrCat("state chunk ", assembler_.chunks()).c_str(), &chunk_);
       if (status.ok()) status = assembler_.Add(chunk_);
+      served_ = served_ || chunk_.served();
       if (!status.ok()) {
         Finish(ToGrpcStatus(status));
         return;
@@ -163,13 +165,15 @@ class SetStateReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       Finish(ToGrpcStatus(tensors.status()));
       return;
     }
-    const absl::Status status = core_->SetState(*tensors);
+    std::string fingerprint;
+    const absl::Status status = core_->SetState(*tensors, served_, &fingerprint);
     if (!status.ok()) {
       Finish(ToGrpcStatus(status));
       return;
     }
     v1::SetStateResponse response;
     response.set_tensors(static_cast<int32_t>(tensors->size()));
+    response.set_weights_fingerprint(fingerprint);
     Finish(SerializeRaw(response, response_));
   }
 
@@ -180,13 +184,31 @@ class SetStateReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   StateAssembler assembler_;
   grpc::ByteBuffer buffer_;
   v1::StateChunk chunk_;
+  bool served_ = false;
 };
 
 }  // namespace
 
 ExpertGrpcService::ExpertGrpcService(ExpertServiceCore* core, ComputePool* pool,
-                                     int64_t max_chunk_bytes)
-    : core_(core), pool_(pool), max_chunk_bytes_(std::max<int64_t>(max_chunk_bytes, 1)) {}
+                                     int64_t max_chunk_bytes,
+                                     std::shared_ptr<const AccessPolicy> policy)
+    : core_(core),
+      pool_(pool),
+      max_chunk_bytes_(std::max<int64_t>(max_chunk_bytes, 1)),
+      policy_(std::move(policy)) {}
+
+absl::Status ExpertGrpcService::Admit(grpc::CallbackServerContext* context,
+                                      const char* method) const {
+  if (policy_ == nullptr) return absl::OkStatus();
+  return policy_->Check(ExpertMethodPath(method), CallerOf(*context));
+}
+
+grpc::ServerUnaryReactor* ExpertGrpcService::Refuse(grpc::CallbackServerContext* context,
+                                                    const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
 
 template <class Request, class Response, class Compute>
 grpc::ServerUnaryReactor* ExpertGrpcService::ServeOnPool(grpc::CallbackServerContext* context,
@@ -212,6 +234,7 @@ grpc::ServerUnaryReactor* ExpertGrpcService::ServeOnPool(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* ExpertGrpcService::Info(grpc::CallbackServerContext* context,
                                                   const grpc::ByteBuffer* request,
                                                   grpc::ByteBuffer* response) {
+  if (absl::Status s = Admit(context, "Info"); !s.ok()) return Refuse(context, s);
   return ServeUnarySync<v1::ExpertInfoRequest, v1::ExpertInfoResponse>(
       context, request, response, [this](const auto&, auto* r) {
         core_->FillInfo(r);
@@ -222,13 +245,29 @@ grpc::ServerUnaryReactor* ExpertGrpcService::Info(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* ExpertGrpcService::Forward(grpc::CallbackServerContext* context,
                                                      const grpc::ByteBuffer* request,
                                                      grpc::ByteBuffer* response) {
+  // A training Forward (save_for_backward) also needs what a Backward does.
+  absl::Status training;
+  if (policy_ != nullptr) {
+    const Caller caller = CallerOf(*context);
+    const absl::Status serving = policy_->Check(ExpertMethodPath("Forward"), caller);
+    if (!serving.ok()) return Refuse(context, serving);
+    training = policy_->Check(ExpertMethodPath("Backward"), caller);
+  }
   return ServeOnPool<v1::ExpertForwardRequest, v1::ExpertForwardResponse>(
-      context, request, response, [this](auto* q, auto* r) { return core_->Forward(q, r); });
+      context, request, response, [this, training](auto* q, auto* r) {
+        if (q->save_for_backward() && !training.ok()) {
+          return absl::PermissionDeniedError(
+              absl::StrCat("save_for_backward: a training Forward is authorized as a Backward; ",
+                           training.message()));
+        }
+        return core_->Forward(q, r);
+      });
 }
 
 grpc::ServerUnaryReactor* ExpertGrpcService::Backward(grpc::CallbackServerContext* context,
                                                       const grpc::ByteBuffer* request,
                                                       grpc::ByteBuffer* response) {
+  if (absl::Status s = Admit(context, "Backward"); !s.ok()) return Refuse(context, s);
   // The weight gradients after the answer: the caller goes on meanwhile. An
   // error there stays with the core and fails the next Backward or Step.
   return ServeOnPool<v1::ExpertBackwardRequest, v1::ExpertBackwardResponse>(
@@ -239,6 +278,7 @@ grpc::ServerUnaryReactor* ExpertGrpcService::Backward(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* ExpertGrpcService::Step(grpc::CallbackServerContext* context,
                                                   const grpc::ByteBuffer* request,
                                                   grpc::ByteBuffer* response) {
+  if (absl::Status s = Admit(context, "Step"); !s.ok()) return Refuse(context, s);
   return ServeOnPool<v1::ExpertStepRequest, v1::ExpertStepResponse>(
       context, request, response, [this](auto* q, auto* r) { return core_->Step(*q, r); });
 }
@@ -246,6 +286,7 @@ grpc::ServerUnaryReactor* ExpertGrpcService::Step(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* ExpertGrpcService::Abort(grpc::CallbackServerContext* context,
                                                    const grpc::ByteBuffer* request,
                                                    grpc::ByteBuffer* response) {
+  if (absl::Status s = Admit(context, "Abort"); !s.ok()) return Refuse(context, s);
   // Inline: freeing a step's saved state must get through a full queue.
   return ServeUnarySync<v1::ExpertAbortRequest, v1::ExpertAbortResponse>(
       context, request, response, [this](const auto& q, auto* r) { return core_->Abort(q, r); });
@@ -254,12 +295,16 @@ grpc::ServerUnaryReactor* ExpertGrpcService::Abort(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* ExpertGrpcService::BeginRun(grpc::CallbackServerContext* context,
                                                       const grpc::ByteBuffer* request,
                                                       grpc::ByteBuffer* response) {
+  if (absl::Status s = Admit(context, "BeginRun"); !s.ok()) return Refuse(context, s);
   return ServeOnPool<v1::BeginRunRequest, v1::BeginRunResponse>(
       context, request, response, [this](auto* q, auto* r) { return core_->BeginRun(*q, r); });
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ExpertGrpcService::GetState(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request) {
+  if (absl::Status s = Admit(context, "GetState"); !s.ok()) {
+    return RejectStream<grpc::ServerWriteReactor<grpc::ByteBuffer>>(ToGrpcStatus(s));
+  }
   v1::GetStateRequest request;
   if (absl::Status s = ParseRaw(*raw_request, "request", &request); !s.ok()) {
     return RejectStream<grpc::ServerWriteReactor<grpc::ByteBuffer>>(ToGrpcStatus(s));
@@ -269,6 +314,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* ExpertGrpcService::GetState(
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* ExpertGrpcService::SetState(
     grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
+  if (absl::Status s = Admit(context, "SetState"); !s.ok()) {
+    return RejectStream<grpc::ServerReadReactor<grpc::ByteBuffer>>(ToGrpcStatus(s));
+  }
   return new SetStateReactor(context, core_, pool_, response);
 }
 
@@ -289,7 +337,7 @@ absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(
   // Leaves room for the chunk's name, shape and framing.
   HIMOE_ASSIGN_OR_RETURN(server->pool_, ComputePool::Create(options.compute));
   server->service_ = std::make_unique<ExpertGrpcService>(
-      server->core_.get(), server->pool_.get(), options.max_message_bytes - 512);
+      server->core_.get(), server->pool_.get(), options.max_message_bytes - 512, options.policy);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

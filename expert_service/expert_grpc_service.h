@@ -1,16 +1,17 @@
 #ifndef HIMOE_EXPERT_SERVICE_EXPERT_GRPC_SERVICE_H_
 #define HIMOE_EXPERT_SERVICE_EXPERT_GRPC_SERVICE_H_
 
+#include <grpcpp/grpcpp.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 
-#include <grpcpp/grpcpp.h>
-
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/access_policy.h"
 #include "common/compute_pool.h"
 #include "expert_service/expert_service_core.h"
 #include "himoe/v1/expert.grpc.pb.h"
@@ -36,7 +37,11 @@ class ExpertGrpcService final : public ExpertServiceBase {
   // Step and BeginRun compute on `pool`, off gRPC's threads, and so do
   // GetState's snapshot and SetState's apply (the chunks' bytes are
   // serialized and parsed on gRPC's threads).
-  ExpertGrpcService(ExpertServiceCore* core, ComputePool* pool, int64_t max_chunk_bytes);
+  // `policy` (may be null: every caller may call every method) decides who
+  // may call what (ExpertAccessPolicy); a call it refuses is
+  // PERMISSION_DENIED and reaches no core.
+  ExpertGrpcService(ExpertServiceCore* core, ComputePool* pool, int64_t max_chunk_bytes,
+                    std::shared_ptr<const AccessPolicy> policy = nullptr);
 
   // Every method is registered raw: bytes that do not parse as the request
   // message (or a SetState chunk) get INVALID_ARGUMENT naming it (ParseRaw).
@@ -75,10 +80,16 @@ class ExpertGrpcService final : public ExpertServiceBase {
                                         const grpc::ByteBuffer* request,
                                         grpc::ByteBuffer* response, Compute compute,
                                         std::function<void()> after = nullptr);
+  // OK when the policy lets the caller call `method`.
+  absl::Status Admit(grpc::CallbackServerContext* context, const char* method) const;
+  // A finished call (refused).
+  static grpc::ServerUnaryReactor* Refuse(grpc::CallbackServerContext* context,
+                                          const absl::Status& status);
 
   ExpertServiceCore* core_;
   ComputePool* pool_;
   int64_t max_chunk_bytes_;
+  std::shared_ptr<const AccessPolicy> policy_;
 };
 
 struct ExpertServerOptions {
@@ -89,6 +100,8 @@ struct ExpertServerOptions {
   std::string state_file;
   // Mutual TLS (empty = plaintext): clients need a certificate of the CA.
   TlsFiles tls;
+  // Who may call what (ExpertAccessPolicy); null: every caller, every method.
+  std::shared_ptr<const AccessPolicy> policy;
   // Where Forward, Backward and Step compute: workers, and how many calls
   // may wait for one before RESOURCE_EXHAUSTED.
   ComputePoolOptions compute{1, 256, "--max_queue"};

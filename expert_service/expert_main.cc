@@ -2,6 +2,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
@@ -14,6 +15,7 @@
 #include "common/service_main.h"
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
+#include "expert_service/expert_access.h"
 #include "expert_service/expert_grpc_service.h"
 #include "expert_service/expert_metrics.h"
 #include "glog/logging.h"
@@ -53,6 +55,19 @@ ABSL_FLAG(bool, shared_memory, false,
           "groups it starts)");
 ABSL_FLAG(double, saved_state_ttl_s, 300,
           "seconds a Forward saved for Backward is kept before it is dropped");
+ABSL_FLAG(std::string, trainer_identity, "",
+          "mutual TLS: a principal (URI or DNS subjectAltName) of the trainer's certificate; "
+          "only it may call the training methods (BeginRun, Backward, Step, Abort, GetState, "
+          "SetState, Forward with save_for_backward)");
+ABSL_FLAG(std::string, router_identity, "",
+          "mutual TLS, with --trainer_identity: a principal of the router's certificate; it may "
+          "call Info, Forward and SetState (loading the model it serves)");
+ABSL_FLAG(std::string, authz_policy, "",
+          "a gRPC authorization policy (JSON: name, allow_rules, deny_rules; principals are "
+          "certificate SANs, paths /himoe.v1.ExpertService/<method>), instead of the roles");
+ABSL_FLAG(bool, insecure_training, false,
+          "plaintext on a non-loopback --address: answer the training methods anyway (anyone "
+          "who reaches the port may then train or replace the weights)");
 ABSL_FLAG(std::string, state_file, "",
           "optional length-delimited StateChunk stream to load before serving");
 
@@ -107,6 +122,19 @@ absl::StatusOr<ExpertServerOptions> OptionsFromFlags() {
                                        absl::GetFlag(FLAGS_max_queue), "--max_queue"};
   options.state_file = absl::GetFlag(FLAGS_state_file);
   options.tls = GetServiceFlags().tls;
+  ExpertAccessOptions access;
+  access.policy_file = absl::GetFlag(FLAGS_authz_policy);
+  access.trainer_identity = absl::GetFlag(FLAGS_trainer_identity);
+  access.router_identity = absl::GetFlag(FLAGS_router_identity);
+  access.tls = options.tls.enabled();
+  access.loopback = IsLoopbackHost(listen.host);
+  access.insecure_training = absl::GetFlag(FLAGS_insecure_training);
+  std::vector<std::string> warnings;
+  HIMOE_ASSIGN_OR_RETURN(options.policy, ExpertAccessPolicy(access, &warnings));
+  for (const std::string& w : warnings) LOG(WARNING) << w;
+  if (options.policy != nullptr) {
+    LOG(INFO) << "authorization policy '" << options.policy->name() << "'";
+  }
   return options;
 }
 

@@ -78,7 +78,7 @@ absl::StatusOr<TensorSink> TensorSink::Create(const v1::SharedMemorySlice* slice
                                               absl::string_view field) {
   TensorSink sink;
   if (slice == nullptr || shared == nullptr) return sink;
-  HIMOE_ASSIGN_OR_RETURN(sink.region_, shared->Find(slice->region(), field));
+  HIMOE_ASSIGN_OR_RETURN(sink.region_, shared->Find(slice->region(), slice->key(), field));
   HIMOE_RETURN_IF_ERROR(
       sink.region_->Slice(slice->offset(), slice->byte_size(), field).status());
   sink.next_ = slice->offset();
@@ -104,6 +104,7 @@ void TensorSink::NameRest(v1::ExpertBackwardRequest* request) const {
 
 void TensorSink::NameRest(v1::SharedMemorySlice* slice) const {
   slice->set_region(region_->name());
+  slice->set_key(region_->key());
   slice->set_offset(next_);
   slice->set_byte_size(end_ > next_ ? end_ - next_ : 0);
 }

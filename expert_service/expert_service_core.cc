@@ -1,12 +1,13 @@
 #include "expert_service/expert_service_core.h"
 
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <openssl/evp.h>
+#include <torch/csrc/autograd/autograd.h>
+
 #include <chrono>
 #include <mutex>
 #include <optional>
-
-#include <ATen/ATen.h>
-#include <c10/core/InferenceMode.h>
-#include <torch/csrc/autograd/autograd.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/all_finite.h"
@@ -24,6 +25,34 @@ ExpertServiceCore::ExpertServiceCore(const ExpertServiceOptions& options,
       dtype_(dtype),
       experts_per_group_(options.shape.num_experts() / options.shape.num_groups()),
       saved_(options.saved_state_ttl) {}
+
+std::string ExpertServiceCore::weights_fingerprint() const {
+  if (steps_since_digest_ == 0) return weights_digest_;
+  return absl::StrCat(weights_digest_, "+", steps_since_digest_);
+}
+
+absl::StatusOr<std::string> ExpertServiceCore::DigestWeights() const {
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> sha(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  if (sha == nullptr || EVP_DigestInit_ex(sha.get(), EVP_sha256(), nullptr) != 1) {
+    return absl::InternalError("weights digest: cannot start SHA-256");
+  }
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    for (const auto& [name, tensor] : parameters_) {  // in name order
+      const at::Tensor bytes = tensor.detach().to(at::kCPU).contiguous();
+      EVP_DigestUpdate(sha.get(), name.data(), name.size() + 1);
+      EVP_DigestUpdate(sha.get(), bytes.data_ptr(), bytes.nbytes());
+    }
+    return absl::OkStatus();
+  }));
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  EVP_DigestFinal_ex(sha.get(), digest, &length);
+  std::string hex;
+  for (unsigned int i = 0; i < 8 && i < length; ++i) {
+    absl::StrAppend(&hex, absl::Hex(digest[i], absl::kZeroPad2));
+  }
+  return hex;
+}
 
 absl::StatusOr<std::unique_ptr<ExpertServiceCore>> ExpertServiceCore::Create(
     const ExpertServiceOptions& o) {
@@ -58,6 +87,8 @@ absl::StatusOr<std::unique_ptr<ExpertServiceCore>> ExpertServiceCore::Create(
     optimized.push_back(group.get());
   }
   HIMOE_ASSIGN_OR_RETURN(core->optimizer_, ExpertOptimizer::Create(std::move(optimized)));
+  HIMOE_ASSIGN_OR_RETURN(core->seed_digest_, core->DigestWeights());
+  core->weights_digest_ = core->seed_digest_;
   const int slots = o.shape.num_layers() * core->experts_per_group_;
   core->tokens_.reset(new std::atomic<int64_t>[slots]);
   for (int i = 0; i < slots; ++i) core->tokens_[i] = 0;
@@ -83,6 +114,8 @@ ExpertServiceInfo ExpertServiceCore::Info() const {
   info.last_applied_step = last_applied_step();
   std::shared_lock<std::shared_mutex> lock(state_mutex_);
   info.run_id = run_id_;
+  info.weights_fingerprint = weights_fingerprint();
+  info.served = served_;
   return info;
 }
 
@@ -104,6 +137,8 @@ void ExpertServiceCore::FillInfo(v1::ExpertInfoResponse* response) const {
   response->set_last_applied_step(info.last_applied_step);
   *response->mutable_shape() = info.shape;
   response->set_run_id(info.run_id);
+  response->set_weights_fingerprint(info.weights_fingerprint);
+  response->set_served(info.served);
 }
 
 int64_t ExpertServiceCore::pending_saved() const { return saved_.size(); }
@@ -218,6 +253,8 @@ absl::Status ExpertServiceCore::ComputeForward(const v1::ExpertForwardRequest& r
   const int n_inputs = static_cast<int>(rows.size());
   std::shared_lock<std::shared_mutex> lock(state_mutex_);
   if (save) HIMOE_RETURN_IF_ERROR(CheckRun("Forward", request.step(), request.run_id()));
+  // Under the lock: the weights that compute these outputs.
+  response->set_weights_fingerprint(weights_fingerprint());
   return CatchTorchErrors([&]() -> absl::Status {
     // With grad for a later Backward (the rows become one leaf); otherwise
     // inference mode: no autograd metadata on the views and no version
@@ -432,7 +469,10 @@ absl::Status ExpertServiceCore::Step(const v1::ExpertStepRequest& request,
   }
   HIMOE_ASSIGN_OR_RETURN(const OptimizerStepResult result, optimizer_->Step(options));
   last_applied_step_.store(result.last_applied_step, std::memory_order_relaxed);
-  if (result.applied) weights_version_.fetch_add(1, std::memory_order_relaxed);
+  if (result.applied) {
+    weights_version_.fetch_add(1, std::memory_order_relaxed);
+    ++steps_since_digest_;
+  }
   lock.unlock();
   response->set_grad_norm_squared(result.grad_norm_squared);
   response->set_applied(result.applied);
@@ -478,6 +518,13 @@ absl::Status ExpertServiceCore::BeginRun(const v1::BeginRunRequest& request,
     fresh.push_back(std::move(group));
   }
   std::unique_lock<std::shared_mutex> lock(state_mutex_);
+  if (served_ && !request.take_over()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "take_over: group ", options_.group_id, " serves a model a router loaded (weights ",
+        weights_fingerprint(),
+        "); a BeginRun replaces it only with take_over set (the trainer's "
+        "--take_over_served_experts), and the router then refuses the changed weights"));
+  }
   response->set_previous_run_id(run_id_);
   response->set_previous_last_applied_step(last_applied_step());
   response->set_freed(saved_.Abort(0));
@@ -494,7 +541,10 @@ absl::Status ExpertServiceCore::BeginRun(const v1::BeginRunRequest& request,
   }));
   last_applied_step_.store(0, std::memory_order_relaxed);
   weights_version_.fetch_add(1, std::memory_order_relaxed);
+  weights_digest_ = seed_digest_;
+  steps_since_digest_ = 0;
   run_id_ = request.run_id();
+  served_ = false;
   return absl::OkStatus();
 }
 
@@ -546,7 +596,8 @@ absl::Status ExpertServiceCore::ValidateStateTensor(const std::string& name,
   return absl::OkStatus();
 }
 
-absl::Status ExpertServiceCore::SetState(absl::Span<const NamedTensor> tensors) {
+absl::Status ExpertServiceCore::SetState(absl::Span<const NamedTensor> tensors, bool served,
+                                         std::string* fingerprint) {
   std::vector<NamedTensor> optimizer_state;
   for (const auto& [name, tensor] : tensors) {
     if (!tensor.defined()) {
@@ -569,14 +620,19 @@ absl::Status ExpertServiceCore::SetState(absl::Span<const NamedTensor> tensors) 
     last_applied_step_.store(optimizer_->last_applied_step(), std::memory_order_relaxed);
   }
   weights_version_.fetch_add(1, std::memory_order_relaxed);
-  return CatchTorchErrors([&] {
+  served_ = served;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     at::NoGradGuard no_grad;
     for (const auto& [name, tensor] : tensors) {
       const auto it = parameters_.find(name);
       if (it != parameters_.end()) it->second.copy_(tensor);
     }
     return absl::OkStatus();
-  });
+  }));
+  HIMOE_ASSIGN_OR_RETURN(weights_digest_, DigestWeights());
+  steps_since_digest_ = 0;
+  if (fingerprint != nullptr) *fingerprint = weights_fingerprint();
+  return absl::OkStatus();
 }
 
 absl::Status ExpertServiceCore::SetState(const std::string& name,

@@ -48,9 +48,9 @@ struct ExpertServiceOptions {
   // next work. Off: computed inside Backward.
   bool defer_weight_grads = true;
   // Take rows in, and write outputs to, POSIX shared memory a client on this
-  // host names (Tensor.shared, output_slice): for trusted clients only (a
-  // trainer and the groups it started); off, such rows are refused and
-  // outputs come inline. At most max_shared_regions stay open.
+  // host names (Tensor.shared, output_slice), each region only with the key
+  // its creator sends; off, such rows are refused and outputs come inline.
+  // At most max_shared_regions stay open.
   bool shared_memory = false;
   int max_shared_regions = 8;
 };
@@ -65,6 +65,8 @@ struct ExpertServiceInfo {
   int64_t pending_saved = 0;  // saved Forward states awaiting Backward
   uint64_t last_applied_step = 0;
   std::string run_id;  // the training run begun last; empty before any
+  std::string weights_fingerprint;
+  bool served = false;  // the weights are a model a router loaded
 };
 
 struct ExpertServiceCounters {
@@ -124,6 +126,8 @@ class ExpertServiceCore {
                      v1::ExpertAbortResponse* response);
   // Starts run request.run_id: weights back to the seed's, optimizer state
   // and grads zeroed, saved Forwards dropped, last_applied_step 0.
+  // FAILED_PRECONDITION, changing nothing, while the weights are a served
+  // model (SetState with `served`) and the request does not take over.
   absl::Status BeginRun(const v1::BeginRunRequest& request, v1::BeginRunResponse* response);
 
   // Computes the weight gradients the Backwards left pending (in their
@@ -144,8 +148,11 @@ class ExpertServiceCore {
       bool include_optimizer = false) const;
   // Validates every (name, tensor) first (known name, exact shape and dtype;
   // parameters and ExpertOptimizer::State() names), then applies all of them
-  // under the writer lock: all or nothing.
-  absl::Status SetState(absl::Span<const NamedTensor> tensors);
+  // under the writer lock: all or nothing. `served`: the state is a model a
+  // router serves (BeginRun then needs take_over). `fingerprint`, if not
+  // null: the weights fingerprint once they are set.
+  absl::Status SetState(absl::Span<const NamedTensor> tensors, bool served = false,
+                        std::string* fingerprint = nullptr);
   absl::Status SetState(const std::string& name, const at::Tensor& tensor);
   // OK if `name` is a parameter or optimizer state entry of exactly this
   // dtype and shape.
@@ -195,6 +202,11 @@ class ExpertServiceCore {
   // Caller holds state_mutex_ (either side): OK if `run_id` is the run begun
   // last.
   absl::Status CheckRun(const char* rpc, uint64_t step, const std::string& run_id) const;
+  // ExpertInfoResponse.weights_fingerprint. Caller holds state_mutex_.
+  std::string weights_fingerprint() const;
+  // SHA-256 of every parameter (names and bytes, in name order), 16 hex
+  // digits. Caller holds state_mutex_ (either side) or owns the core.
+  absl::StatusOr<std::string> DigestWeights() const;
 
   ExpertServiceOptions options_;
   c10::ScalarType dtype_;  // of the experts, from the shape
@@ -214,6 +226,13 @@ class ExpertServiceCore {
   mutable SavedForwardStore saved_;
   std::atomic<uint64_t> last_applied_step_{0};
   std::string run_id_;  // guarded by state_mutex_
+  bool served_ = false;  // guarded by state_mutex_
+  // weights_fingerprint(): a digest of the weights as set last (start,
+  // BeginRun, SetState), and the Steps applied since. Guarded by
+  // state_mutex_.
+  std::string weights_digest_;
+  uint64_t steps_since_digest_ = 0;
+  std::string seed_digest_;  // of the seed's weights
   // Bumped (under the writer lock) whenever Step or SetState changes weights:
   // a saved Forward from before cannot be differentiated any more.
   std::atomic<uint64_t> weights_version_{0};

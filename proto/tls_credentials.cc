@@ -1,5 +1,8 @@
 #include "proto/tls_credentials.h"
 
+#include <grpc/grpc_security_constants.h>
+#include <grpcpp/security/auth_context.h>
+
 #include <fstream>
 #include <sstream>
 
@@ -71,6 +74,20 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   options.pem_private_key = pems->key;
   options.pem_cert_chain = pems->cert;
   return grpc::SslCredentials(options);
+}
+
+Caller CallerOf(const grpc::ServerContextBase& context) {
+  Caller caller;
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr || !auth->IsPeerAuthenticated()) return caller;
+  caller.authenticated = true;
+  for (const char* property : {GRPC_PEER_URI_PROPERTY_NAME, GRPC_PEER_DNS_PROPERTY_NAME,
+                               GRPC_X509_SUBJECT_PROPERTY_NAME}) {
+    for (const grpc::string_ref& value : auth->FindPropertyValues(property)) {
+      caller.principals.emplace_back(value.data(), value.size());
+    }
+  }
+  return caller;
 }
 
 }  // namespace himoe

@@ -1,13 +1,15 @@
 #ifndef HIMOE_PROTO_TLS_CREDENTIALS_H_
 #define HIMOE_PROTO_TLS_CREDENTIALS_H_
 
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_context.h>
+
 #include <memory>
 #include <string>
 
-#include <grpcpp/security/credentials.h>
-#include <grpcpp/security/server_credentials.h>
-
 #include "absl/status/statusor.h"
+#include "common/access_policy.h"
 #include "common/tls_files.h"
 
 namespace himoe {
@@ -22,6 +24,10 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
 // host dialed (subjectAltName); this process presents its own certificate.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const TlsFiles& tls);
+
+// Who makes a call this server serves, from its TLS handshake: principals
+// are its certificate's URI SANs, DNS SANs, then its subject.
+Caller CallerOf(const grpc::ServerContextBase& context);
 
 }  // namespace himoe
 

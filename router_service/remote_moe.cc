@@ -1,12 +1,13 @@
 #include "router_service/remote_moe.h"
 
+#include <ATen/ATen.h>
+#include <glog/logging.h>
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <utility>
-
-#include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/expert_shape.h"
@@ -66,12 +67,22 @@ absl::StatusOr<std::unique_ptr<RemoteMoE>> RemoteMoE::Create(const RemoteMoEOpti
     HIMOE_ASSIGN_OR_RETURN(auto router, RouterLayer::Create(ro));
     moe->routers_.push_back(std::move(router));
   }
+  RemoteMoE* self = moe.get();
   for (int g = 0; g < shape.num_groups(); ++g) {
     expert::ExpertGroupClientOptions go = options.groups[g];
     go.group_id = g;
+    go.pin_weights = options.pin_weights;
     HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(go));
+    client->set_on_weights_changed([self, g](size_t replica, const std::string&) {
+      {
+        std::lock_guard<std::mutex> lock(self->changed_mu_);
+        self->changed_.emplace_back(g, replica);
+      }
+      if (self->observer_ != nullptr) self->observer_->OnWeightsChanged(g);
+    });
     moe->groups_.push_back(std::move(client));
   }
+  moe->loaded_.resize(shape.num_groups());
   if (options.shared_memory) {
     moe->regions_ =
         std::make_unique<expert::SharedRegionPool>(shape.num_groups(), kSharedRegionsPerGroup);
@@ -112,6 +123,9 @@ absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x,
           static_cast<int>(g),
           std::chrono::duration<double>(flight.group_done[g] - flight.start).count(), rows);
     }
+  }
+  if (options_.reload_changed_experts && absl::IsFailedPrecondition(outputs.status())) {
+    ReloadChanged();
   }
   HIMOE_RETURN_IF_ERROR(sent);
   HIMOE_RETURN_IF_ERROR(outputs.status());
@@ -220,17 +234,46 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteMoE::CollectOutputs(InFlight* flig
 
 absl::Status RemoteMoE::VerifyGroups(std::chrono::milliseconds timeout) {
   for (int g = 0; g < num_groups(); ++g) {
-    for (const std::string& address : options_.groups[g].addresses) {
+    const std::vector<std::string>& addresses = options_.groups[g].addresses;
+    for (size_t r = 0; r < addresses.size(); ++r) {
       expert::ExpertGroupClientOptions o = options_.groups[g];
       o.group_id = g;
-      o.addresses = {address};
+      o.addresses = {addresses[r]};
       o.deadline = std::min(o.deadline, timeout);
       HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(o));
-      const absl::Status s = client->CheckInfo(options_.shape);
+      v1::ExpertInfoResponse info;
+      const absl::Status s = client->CheckInfo(options_.shape, &info);
       if (absl::IsFailedPrecondition(s)) return s;
+      if (s.ok() && options_.pin_weights) groups_[g]->PinWeights(r, info.weights_fingerprint());
     }
   }
   return absl::OkStatus();
+}
+
+void RemoteMoE::ReloadChanged() {
+  std::lock_guard<std::mutex> reload(reload_mu_);
+  std::vector<std::pair<int, size_t>> changed;
+  {
+    std::lock_guard<std::mutex> lock(changed_mu_);
+    changed.swap(changed_);
+  }
+  std::sort(changed.begin(), changed.end());
+  changed.erase(std::unique(changed.begin(), changed.end()), changed.end());
+  for (const auto& [g, replica] : changed) {
+    if (loaded_[g].empty()) continue;  // nothing was pushed: nothing to reload
+    expert::ExpertGroupClient& client = *groups_[g];
+    const absl::StatusOr<std::string> fingerprint = client.ServeState(loaded_[g], replica);
+    if (fingerprint.ok()) {
+      client.PinWeights(replica, *fingerprint);
+      LOG(WARNING) << "expert group " << g << " at " << client.addresses()[replica]
+                   << " served other weights: the loaded experts are pushed again (weights "
+                   << *fingerprint << ")";
+    } else {
+      LOG(ERROR) << "expert group " << g
+                 << ": reloading its experts failed: " << fingerprint.status();
+    }
+    if (observer_ != nullptr) observer_->OnExpertsReloaded(g, fingerprint.ok());
+  }
 }
 
 absl::Status RemoteMoE::LoadExpertState(int group, const std::vector<NamedTensor>& state) {
@@ -238,7 +281,32 @@ absl::Status RemoteMoE::LoadExpertState(int group, const std::vector<NamedTensor
     return absl::InvalidArgumentError(
         absl::StrCat("group: ", group, " is outside [0, ", num_groups(), ")"));
   }
-  return groups_[group]->SetState(state);
+  // Every replica gets the weights; each is pinned to them. A replica that
+  // cannot take them now is pinned to none it could serve, so its answers
+  // are refused (and, with reload_changed_experts, it gets them then).
+  expert::ExpertGroupClient& client = *groups_[group];
+  absl::Status first_error;
+  int loaded = 0;
+  for (size_t r = 0; r < client.addresses().size(); ++r) {
+    const absl::StatusOr<std::string> fingerprint = client.ServeState(state, r);
+    if (fingerprint.ok()) {
+      client.PinWeights(r, *fingerprint);
+      ++loaded;
+      continue;
+    }
+    if (!absl::IsUnavailable(fingerprint.status()) &&
+        !absl::IsDeadlineExceeded(fingerprint.status())) {
+      return fingerprint.status();
+    }
+    client.PinWeights(r, absl::StrCat("(not loaded: ", fingerprint.status().message(), ")"));
+    LOG(WARNING) << "expert group " << group << " at " << client.addresses()[r]
+                 << ": experts not loaded: " << fingerprint.status();
+    if (first_error.ok()) first_error = fingerprint.status();
+  }
+  if (loaded == 0) return first_error;
+  std::lock_guard<std::mutex> lock(reload_mu_);
+  loaded_[group] = state;
+  return absl::OkStatus();
 }
 
 }  // namespace himoe::router

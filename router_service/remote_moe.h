@@ -1,13 +1,15 @@
 #ifndef HIMOE_ROUTER_SERVICE_REMOTE_MOE_H_
 #define HIMOE_ROUTER_SERVICE_REMOTE_MOE_H_
 
+#include <ATen/core/Tensor.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <utility>
 #include <vector>
-
-#include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
 #include "expert_service/expert_client.h"
@@ -25,6 +27,10 @@ class ForwardObserver {
   virtual ~ForwardObserver() = default;
   virtual void OnRouted(int layer, const RoutingStats& stats) = 0;
   virtual void OnGroupDispatch(int group, double seconds, int64_t rows) = 0;
+  // A group's answer came from other weights than the router loaded or
+  // checked (its outputs were refused); then whether reloading them worked.
+  virtual void OnWeightsChanged(int group) = 0;
+  virtual void OnExpertsReloaded(int group, bool ok) = 0;
 };
 
 struct RemoteMoEOptions {
@@ -44,11 +50,25 @@ struct RemoteMoEOptions {
   // --shared_memory. A call that finds its group's regions all leased (more
   // than kSharedRegionsPerGroup calls in flight) sends its bytes inline.
   bool shared_memory = false;
+  // The groups serve a model as they are (a checkpoint's experts already in
+  // them): pin each replica's weights from VerifyGroups' Info, or else its
+  // first answer. Weights LoadExpertState pushes are pinned either way;
+  // unpinned groups are served whatever they hold (a trainer may be
+  // training them).
+  bool pin_weights = false;
+  // A group found serving other weights than those LoadExpertState pushed
+  // gets them pushed again (after the call that found it has failed).
+  bool reload_changed_experts = false;
 };
 
 // MoE layers whose experts live on remote expert-group services: routes
 // locally, sends every group's rows concurrently, combines. Serving only
 // (eval mode: the EMA is never updated); a training call is refused.
+//
+// The weights it loads (LoadExpertState), or with pin_weights the weights the
+// groups serve, are pinned per replica (ExpertGroupClient::PinWeights): an
+// answer from other weights fails its call with FAILED_PRECONDITION, so a
+// served model never changes silently.
 class RemoteMoE final : public model::MoELayers {
  public:
   static absl::StatusOr<std::unique_ptr<RemoteMoE>> Create(const RemoteMoEOptions& options);
@@ -75,7 +95,8 @@ class RemoteMoE final : public model::MoELayers {
   // The Info handshake with every address of every group (replicas too), each
   // within `timeout`: FailedPrecondition naming the address and the fields
   // when one serves other experts (another seed, dtype, size, group). An
-  // address that does not answer is skipped: it may come up later.
+  // address that does not answer is skipped: it may come up later. With
+  // pin_weights, pins the weights each one reports.
   absl::Status VerifyGroups(std::chrono::milliseconds timeout);
 
   expert::ExpertGroupClient& group(int g) { return *groups_[g]; }
@@ -100,6 +121,8 @@ class RemoteMoE final : public model::MoELayers {
   // each group's outputs, row-aligned with its dispatch (undefined if none),
   // or the first error in call order.
   absl::StatusOr<std::vector<at::Tensor>> CollectOutputs(InFlight* flight);
+  // Pushes loaded_ again to the replicas found serving other weights.
+  void ReloadChanged();
 
   RemoteMoEOptions options_;
   std::vector<std::unique_ptr<RouterLayer>> routers_;
@@ -107,6 +130,10 @@ class RemoteMoE final : public model::MoELayers {
   std::unique_ptr<expert::SharedRegionPool> regions_;  // null: shared memory off
   std::atomic<uint64_t> next_request_id_{1};
   ForwardObserver* observer_ = nullptr;
+  std::mutex reload_mu_;  // held while reloading
+  std::mutex changed_mu_;
+  std::vector<std::pair<int, size_t>> changed_;   // guarded by changed_mu_: (group, replica)
+  std::vector<std::vector<NamedTensor>> loaded_;  // guarded by reload_mu_; by group
 };
 
 }  // namespace himoe::router

@@ -30,6 +30,10 @@ ABSL_FLAG(std::string, checkpoint, "",
           "checkpoints root: its newest); empty = no Generate");
 ABSL_FLAG(bool, load_expert_state, true,
           "With --checkpoint: push the checkpoint's expert weights to the groups at start");
+ABSL_FLAG(bool, reload_changed_experts, false,
+          "With --load_expert_state: a group found serving other weights than those pushed "
+          "(a BeginRun, SetState or restart since) gets them pushed again; the call that "
+          "found it fails either way");
 ABSL_FLAG(int, max_new_tokens, 4096, "Most tokens one Generate request may ask for");
 ABSL_FLAG(bool, kv_cache, true,
           "Generate: keep each stream's attention keys and values; false recomputes the "
@@ -69,13 +73,14 @@ absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& 
   o.moe.wire_dtype = cluster.router().wire_dtype() == "bfloat16" ? c10::kBFloat16 : c10::kFloat;
   o.moe.chunk_bytes = cluster.router().chunk_bytes();
   o.moe.shared_memory = cluster.router().shared_memory();
+  o.moe.reload_changed_experts = absl::GetFlag(FLAGS_reload_changed_experts);
   for (const auto& g : cluster.groups()) {
     expert::ExpertGroupClientOptions go;
     go.addresses.push_back(g.address());
     go.addresses.insert(go.addresses.end(), g.replicas().begin(), g.replicas().end());
     go.deadline = std::chrono::milliseconds(cluster.router().deadline_ms());
     go.max_message_bytes = MaxMessageBytesFlag();
-    go.tls = ClusterTls(cluster, GetServiceFlags().tls);
+    go.tls = ClusterTls(cluster, GetServiceFlags().tls, ClusterRole::kRouter);
     o.moe.groups.push_back(go);
   }
   o.batching.max_batch_tokens = cluster.router().max_batch_tokens();
@@ -85,7 +90,7 @@ absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& 
   o.batching.max_batches_in_flight = cluster.router().max_batches_in_flight();
   o.max_tokens_per_request = cluster.router().max_tokens_per_request();
   o.max_message_bytes = MaxMessageBytesFlag();
-  o.tls = ClusterTls(cluster, GetServiceFlags().tls);
+  o.tls = ClusterTls(cluster, GetServiceFlags().tls, ClusterRole::kRouter);
   o.address = absl::GetFlag(FLAGS_address).empty() ? cluster.router().address()
                                                     : absl::GetFlag(FLAGS_address);
   if (o.address.empty()) o.address = "0.0.0.0:50050";
@@ -143,6 +148,8 @@ absl::Status Run(StartupTimer& startup) {
     HIMOE_ASSIGN_OR_RETURN(model::CheckpointContents contents, model::ReadCheckpoint(checkpoint));
     HIMOE_RETURN_IF_ERROR(ServeCheckpoint(
         cluster, std::make_shared<const model::CheckpointContents>(std::move(contents)), &o));
+    // The model served is the checkpoint's, pushed or already in the groups.
+    o.moe.pin_weights = true;
     startup.Mark("checkpoint read");
   }
 

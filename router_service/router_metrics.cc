@@ -76,11 +76,33 @@ void RouterMetrics::RegisterDispatchMetrics(prometheus::Registry& r) {
                    .Name("himoe_router_dispatched_rows_total")
                    .Help("Rows sent to each expert group")
                    .Register(r);
+  auto& changed = prometheus::BuildCounter()
+                      .Name("himoe_router_expert_weights_changed_total")
+                      .Help(
+                          "Group answers refused because the group served other weights than "
+                          "the router loaded or checked")
+                      .Register(r);
+  auto& reloads = prometheus::BuildCounter()
+                      .Name("himoe_router_expert_reloads_total")
+                      .Help("Pushes of the loaded experts to a group found serving other weights")
+                      .Register(r);
   for (int g = 0; g < options_.num_groups; ++g) {
-    dispatch_seconds_.push_back(
-        &dispatch.Add({{"group", std::to_string(g)}}, LatencyBuckets()));
-    dispatch_rows_.push_back(&rows.Add({{"group", std::to_string(g)}}));
+    const std::string group = std::to_string(g);
+    dispatch_seconds_.push_back(&dispatch.Add({{"group", group}}, LatencyBuckets()));
+    dispatch_rows_.push_back(&rows.Add({{"group", group}}));
+    weights_changed_.push_back(&changed.Add({{"group", group}}));
+    reloads_ok_.push_back(&reloads.Add({{"group", group}, {"result", "ok"}}));
+    reloads_failed_.push_back(&reloads.Add({{"group", group}, {"result", "failed"}}));
   }
+}
+
+void RouterMetrics::OnWeightsChanged(int group) {
+  if (group >= 0 && group < options_.num_groups) weights_changed_[group]->Increment();
+}
+
+void RouterMetrics::OnExpertsReloaded(int group, bool ok) {
+  if (group < 0 || group >= options_.num_groups) return;
+  (ok ? reloads_ok_ : reloads_failed_)[group]->Increment();
 }
 
 void RouterMetrics::RegisterServingMetrics(prometheus::Registry& r) {

@@ -34,6 +34,8 @@ class RouterMetrics : public ForwardObserver {
 
   void OnRouted(int layer, const RoutingStats& stats) override;
   void OnGroupDispatch(int group, double seconds, int64_t rows) override;
+  void OnWeightsChanged(int group) override;
+  void OnExpertsReloaded(int group, bool ok) override;
   void OnRequest(double seconds);
   void OnBatch(int64_t tokens, int64_t requests);
   void OnQueueDepth(int64_t requests);
@@ -49,7 +51,8 @@ class RouterMetrics : public ForwardObserver {
 
   // Per layer and expert: assignments, drops and the window's balance gauges.
   void RegisterBalanceMetrics(prometheus::Registry& r);
-  // Per group: dispatch latency and rows.
+  // Per group: dispatch latency and rows; answers from changed weights and
+  // reloads.
   void RegisterDispatchMetrics(prometheus::Registry& r);
   // Request latency, batches, queue depth, Generate streams and tokens.
   void RegisterServingMetrics(prometheus::Registry& r);
@@ -65,6 +68,8 @@ class RouterMetrics : public ForwardObserver {
   std::vector<prometheus::Gauge*> expert_cv_, group_cv_, max_vio_, groups_per_token_;
   std::vector<prometheus::Histogram*> dispatch_seconds_;
   std::vector<prometheus::Counter*> dispatch_rows_;
+  std::vector<prometheus::Counter*> weights_changed_;
+  std::vector<prometheus::Counter*> reloads_ok_, reloads_failed_;
   prometheus::Histogram* request_seconds_;
   prometheus::Histogram* batch_tokens_;
   prometheus::Histogram* batch_requests_;

@@ -10,7 +10,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SECONDS_EACH="${1:-30}"
 BUILD="${ROOT}/build-fuzz"
-FUZZERS=(cluster_config_fuzzer checkpoint_files_fuzzer tensor_codec_fuzzer
+FUZZERS=(cluster_config_fuzzer access_policy_fuzzer checkpoint_files_fuzzer tensor_codec_fuzzer
          expert_forward_fuzzer route_forward_fuzzer generate_fuzzer)
 
 start=${SECONDS}

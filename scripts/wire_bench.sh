@@ -40,7 +40,8 @@ netns_hosts_add "${kGroups}"
 
 model=(--num_groups=${kGroups} --num_experts=8 --num_layers=4 --d_model=128 --d_ff=512 --seed=1)
 netns_experts_up "${BUILD}/expert_service/himoe-expert" "${work}" "${kPort}" "${model[@]}" \
-  --threads=1 --metrics_port=-1 || { echo "wire_bench: ${NETNS_ERROR}" >&2; exit 1; }
+  --threads=1 --metrics_port=-1 --insecure_training ||
+  { echo "wire_bench: ${NETNS_ERROR}" >&2; exit 1; }
 {
   echo "model { num_layers: 4 d_model: 128 d_ff: 512 num_experts: 8 num_groups: ${kGroups} top_k: 1 seed: 1 }"
   echo 'routing { method: "himoe" }'

@@ -1,16 +1,17 @@
 #include "trainer/expert_backend.h"
 
+#include <ATen/ATen.h>
+#include <glog/logging.h>
+#include <torch/csrc/autograd/custom_function.h>
+
 #include <algorithm>
 #include <atomic>
 #include <functional>
 #include <map>
 #include <mutex>
 
-#include <glog/logging.h>
-#include <ATen/ATen.h>
-#include <torch/csrc/autograd/custom_function.h>
-
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/expert_shape.h"
 #include "common/profile_scope.h"
 #include "common/status_macros.h"
@@ -183,6 +184,7 @@ class RemoteBackend final : public ExpertBackend {
           "trainer: ", o.addresses.size(), " expert addresses for ", num_groups, " groups"));
     }
     std::unique_ptr<RemoteBackend> b(new RemoteBackend(o));
+    std::vector<std::string> served;  // groups serving a router's model
     for (int g = 0; g < num_groups; ++g) {
       expert::ExpertGroupClientOptions go;
       go.group_id = g;
@@ -190,12 +192,25 @@ class RemoteBackend final : public ExpertBackend {
       go.deadline = o.deadline;
       go.tls = o.tls;
       HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(go));
-      HIMOE_RETURN_IF_ERROR(client->CheckInfo(o.shape));
+      v1::ExpertInfoResponse info;
+      HIMOE_RETURN_IF_ERROR(client->CheckInfo(o.shape, &info));
+      if (info.served()) {
+        served.push_back(
+            absl::StrCat(g, " (", o.addresses[g], ", weights ", info.weights_fingerprint(), ")"));
+      }
       b->clients_.push_back(std::move(client));
+    }
+    if (!o.run_id.empty() && !served.empty() && !o.take_over_served) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "expert groups ", absl::StrJoin(served, ", "),
+          " serve a model a router loaded; beginning a run would replace it under the router. "
+          "Train on other groups, or pass --take_over_served_experts (the router then refuses "
+          "the groups' answers)"));
     }
     if (!o.run_id.empty()) {
       for (const auto& client : b->clients_) {
-        HIMOE_ASSIGN_OR_RETURN(const v1::BeginRunResponse begun, client->BeginRun(o.run_id));
+        HIMOE_ASSIGN_OR_RETURN(const v1::BeginRunResponse begun,
+                               client->BeginRun(o.run_id, o.take_over_served));
         if (!begun.previous_run_id().empty() || begun.freed() > 0) {
           LOG(INFO) << "expert group " << client->group_id() << ": run " << o.run_id
                     << " replaces run '" << begun.previous_run_id() << "' (last applied step "

@@ -67,6 +67,10 @@ struct ExpertBackendOptions {
   // (BeginRun: seed weights, zero optimizer state, no saved Forwards) and
   // every Step carries it. Empty: no run is begun (serving, Generate).
   std::string run_id;
+  // Remote only, with run_id: begin it even on groups that serve a model a
+  // router loaded (ExpertInfoResponse.served). Without it, Create refuses
+  // such a cluster, before any group is changed.
+  bool take_over_served = false;
   // The dtype of the rows, outputs and gradients between the coordinator and
   // the groups: kFloat, or kBFloat16 (half the bytes; each crossing rounded,
   // and the experts still compute in float32). In process the same roundings

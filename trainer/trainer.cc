@@ -110,6 +110,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   bo.on_rpc = o.on_rpc;
   if (opts.run_id.empty()) opts.run_id = NewRunId();
   bo.run_id = opts.run_id;
+  bo.take_over_served = o.take_over_served_experts;
   const int in_flight = std::min(o.micro_batches_in_flight, o.grad_accum);
   if (o.remote_experts && in_flight > 1) {
     t->turns_ = std::make_unique<MicroBatchTurns>(model::NumMoeLayers(opts.model));

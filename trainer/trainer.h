@@ -42,6 +42,9 @@ struct TrainerOptions {
   // Remote experts: the training run begun on every group (see
   // ExpertBackendOptions::run_id); empty = a new unique id.
   std::string run_id;
+  // Remote experts: begin the run on groups serving a router's model too
+  // (ExpertBackendOptions::take_over_served).
+  bool take_over_served_experts = false;
   // The experts' rows, outputs and gradients on the wire (kFloat or
   // kBFloat16; see ExpertBackendOptions::wire_dtype).
   c10::ScalarType wire_dtype = c10::kFloat;

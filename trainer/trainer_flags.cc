@@ -149,6 +149,7 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags(const TrainerFlags& f) {
   o.seed = f.seed;
   o.experts_mode = f.experts;
   o.wire_dtype = f.wire_dtype == "bfloat16" ? c10::kBFloat16 : c10::kFloat;
+  o.take_over_served_experts = f.take_over_served_experts;
   return o;
 }
 

@@ -71,6 +71,7 @@ struct TrainerFlags {
   std::string wire_dtype = "float32";
   std::string matmul_dtype = "float32";
   bool shared_memory = true;
+  bool take_over_served_experts = false;
   int expert_threads = 1;
   bool blas_probe = true;
   bool split_products = true;

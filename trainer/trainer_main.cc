@@ -94,6 +94,9 @@ ABSL_FLAG(std::string, matmul_dtype, "float32",
 ABSL_FLAG(bool, shared_memory, true,
           "with --experts=local: the rows, outputs and gradients go through POSIX shared "
           "memory (/dev/shm; gRPC carries references); false: inside the gRPC messages");
+ABSL_FLAG(bool, take_over_served_experts, false,
+          "begin the run even on groups that serve a model a router loaded (the router then "
+          "refuses their answers); without it such a cluster is refused at start");
 ABSL_FLAG(int, expert_threads, 1, "torch threads per spawned expert process");
 ABSL_FLAG(bool, split_products, true,
           "with more than one thread: compute a group's experts side by side, each product on "
@@ -206,6 +209,7 @@ void ReadTrainingFlags(TrainerFlags& f) {
   f.wire_dtype = absl::GetFlag(FLAGS_wire_dtype);
   f.matmul_dtype = absl::GetFlag(FLAGS_matmul_dtype);
   f.shared_memory = absl::GetFlag(FLAGS_shared_memory);
+  f.take_over_served_experts = absl::GetFlag(FLAGS_take_over_served_experts);
   f.expert_threads = absl::GetFlag(FLAGS_expert_threads);
   f.split_products = absl::GetFlag(FLAGS_split_products);
   f.profile = absl::GetFlag(FLAGS_profile);

@@ -167,7 +167,7 @@ absl::Status TrainingRun::UseClusterExperts() {
   }
   options_.remote_experts = true;
   for (const auto& g : cluster.groups()) options_.expert_addresses.push_back(g.address());
-  options_.tls = ClusterTls(cluster, flags_.tls);
+  options_.tls = ClusterTls(cluster, flags_.tls, ClusterRole::kTrainer);
   return absl::OkStatus();
 }
 

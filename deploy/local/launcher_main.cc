@@ -127,6 +127,8 @@ struct Launcher {
     o.device = group.device();
     o.threads = ServiceThreads(cluster, group.threads());
     o.tls = ClusterTls(cluster);
+    o.trainer_identity = cluster.tls().trainer().identity();
+    o.router_identity = cluster.tls().router().identity();
     o.shared_memory = cluster.router().shared_memory();
     local::ExpertSite site;
     site.group_id = g;
@@ -169,7 +171,8 @@ struct Launcher {
     };
     spec.address = router_address;
     spec.dial_host = DialHost(router_host.host);
-    spec.tls = ClusterTls(cluster);  // the router reads it from --cluster
+    // The router reads its files from --cluster; the launcher probes it as it.
+    spec.tls = ClusterTls(cluster, TlsFiles(), ClusterRole::kRouter);
     spec.want_metrics_port = true;
     spec.probe = local::ProbeRouterInfo;
     spec.stop_first = true;  // so that the groups have no client left when they stop
@@ -377,9 +380,11 @@ absl::Status Validate(Launcher& l) {
   HIMOE_RETURN_IF_ERROR(ValidateRouter(l, path, ports));
   // Unreadable or malformed TLS files are refused here, naming the file,
   // rather than by every service after it started.
-  if (const TlsFiles tls = ClusterTls(l.cluster); tls.enabled()) {
-    if (absl::Status s = MakeChannelCredentials(tls).status(); !s.ok()) {
-      return Refused(path, absl::StrCat("tls: ", s.message()));
+  for (const ClusterRole role : {ClusterRole::kExpert, ClusterRole::kRouter}) {
+    if (const TlsFiles tls = ClusterTls(l.cluster, TlsFiles(), role); tls.enabled()) {
+      if (absl::Status s = MakeChannelCredentials(tls).status(); !s.ok()) {
+        return Refused(path, absl::StrCat("tls: ", s.message()));
+      }
     }
   }
   return absl::OkStatus();

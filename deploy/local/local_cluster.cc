@@ -52,6 +52,12 @@ ServiceSpec ExpertServiceSpec(const std::string& binary, const ExpertProcessOpti
     spec.argv.push_back(absl::StrCat("--tls_cert=", options.tls.cert_file));
     spec.argv.push_back(absl::StrCat("--tls_key=", options.tls.key_file));
   }
+  if (!options.trainer_identity.empty()) {
+    spec.argv.push_back(absl::StrCat("--trainer_identity=", options.trainer_identity));
+  }
+  if (!options.router_identity.empty()) {
+    spec.argv.push_back(absl::StrCat("--router_identity=", options.router_identity));
+  }
   spec.want_metrics_port = site.metrics_port >= 0;
   spec.address = site.address;
   spec.dial_host = site.dial_host;

@@ -29,6 +29,9 @@ struct ExpertProcessOptions {
   // Mutual TLS of every group's port (--tls_ca/--tls_cert/--tls_key); the
   // readiness probes dial with it too. Empty = plaintext.
   TlsFiles tls;
+  // With tls: --trainer_identity / --router_identity (the roles' principals).
+  std::string trainer_identity;
+  std::string router_identity;
   // --shared_memory: the groups take tensors through POSIX shared memory
   // from clients on this host that send them that way (himoe-trainer's own
   // groups; himoe-cluster's with router.shared_memory).

@@ -201,33 +201,103 @@ TEST(SharedMemoryTest, AttachmentsOpenOnceKeepTheRecentOnesAndSayWhereTheClientI
     ASSERT_TRUE(made.ok()) << made.status();
     r = std::move(*made);
   }
-  auto first = attachments.Find(owned[0]->name(), "f");
+  auto first = attachments.Find(owned[0]->name(), owned[0]->key(), "f");
   ASSERT_TRUE(first.ok()) << first.status();
-  auto same = attachments.Find(owned[0]->name(), "f");
+  auto same = attachments.Find(owned[0]->name(), owned[0]->key(), "f");
   ASSERT_TRUE(same.ok());
   EXPECT_EQ(first->get(), same->get());  // opened once
-  ASSERT_TRUE(attachments.Find(owned[1]->name(), "f").ok());
-  ASSERT_TRUE(attachments.Find(owned[2]->name(), "f").ok());
+  ASSERT_TRUE(attachments.Find(owned[1]->name(), owned[1]->key(), "f").ok());
+  ASSERT_TRUE(attachments.Find(owned[2]->name(), owned[2]->key(), "f").ok());
   EXPECT_EQ(attachments.open_regions(), 2u);
   // Closed by the cache, still mapped for the call that holds it.
   std::memset(*owned[0]->Slice(0, 64, "a"), 9, 64);
   EXPECT_EQ((*(*first)->Slice(0, 64, "b"))[0], 9);
 
-  const auto missing = attachments.Find("/himoe-gone", "inputs[1].rows.shared");
+  const auto missing = attachments.Find("/himoe-gone", "k", "inputs[1].rows.shared");
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(missing.status().message(), HasSubstr("inputs[1].rows.shared.region"));
   EXPECT_THAT(missing.status().message(), HasSubstr("a client on this host"));
-  EXPECT_EQ(attachments.Find("/tmp/x", "f").status().code(),
+  EXPECT_EQ(attachments.Find("/tmp/x", "k", "f").status().code(),
             absl::StatusCode::kInvalidArgument);
 
   const std::string own_name = owned[1]->name();
+  const std::string own_key = owned[1]->key();
   OwnSharedMemory own(std::shared_ptr<SharedMemoryRegion>(std::move(owned[1])));
-  auto found = own.Find(own_name, "x");
+  auto found = own.Find(own_name, own_key, "x");
   ASSERT_TRUE(found.ok()) << found.status();
   EXPECT_EQ((*found)->name(), own_name);
-  const auto other = own.Find(owned[2]->name(), "outputs[0].rows.shared");
+  const auto other = own.Find(owned[2]->name(), owned[2]->key(), "outputs[0].rows.shared");
   EXPECT_EQ(other.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(other.status().message(), HasSubstr("is not the region this call sent"));
+}
+
+// The key is the creator's secret: random per region, kept in a header the
+// data never overwrite, and required by every lookup a service makes.
+TEST(SharedMemoryTest, ARegionIsTakenOnlyWithItsKey) {
+  auto owner = SharedMemoryRegion::Create("t", 4096);
+  auto other = SharedMemoryRegion::Create("t", 4096);
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  ASSERT_TRUE(other.ok()) << other.status();
+  const std::string key = (*owner)->key();
+  ASSERT_EQ(key.size(), kSharedMemoryKeyBytes);
+  EXPECT_NE(key, std::string(kSharedMemoryKeyBytes, '\0'));
+  EXPECT_NE(key, (*other)->key());
+  std::memset(*(*owner)->Slice(0, 4096, "all"), 0xff, 4096);  // every data byte
+  auto peer = SharedMemoryRegion::Open((*owner)->name());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  EXPECT_EQ((*peer)->key(), key);
+  EXPECT_EQ((*peer)->size(), 4096u);
+  EXPECT_TRUE((*peer)->CheckKey(key, "f").ok());
+
+  std::string wrong = key;
+  wrong[kSharedMemoryKeyBytes - 1] ^= 1;
+  for (const std::string& bad : {wrong, key.substr(0, 8), key + "x", (*other)->key()}) {
+    const absl::Status s = (*peer)->CheckKey(bad, "inputs[0].rows.shared");
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+    EXPECT_THAT(std::string(s.message()),
+                StartsWith("inputs[0].rows.shared.key: not the key of region"));
+  }
+  const absl::Status missing = (*peer)->CheckKey("", "output_slice");
+  EXPECT_EQ(missing.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(missing.message()), StartsWith("output_slice.key: missing"));
+
+  // A service's lookups: refused before the region is opened for the caller,
+  // and again once another caller has it open.
+  SharedMemoryAttachments attachments(/*capacity=*/4);
+  const auto refused = attachments.Find((*owner)->name(), wrong, "inputs[1].rows.shared");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+  EXPECT_EQ(attachments.open_regions(), 0u);
+  ASSERT_TRUE(attachments.Find((*owner)->name(), key, "f").ok());
+  EXPECT_EQ(attachments.Find((*owner)->name(), (*other)->key(), "f").status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(attachments.Find((*owner)->name(), "", "f").status().code(),
+            absl::StatusCode::kPermissionDenied);
+  // A client's check of its own region in an answer.
+  const std::string other_name = (*other)->name();
+  OwnSharedMemory own(std::shared_ptr<SharedMemoryRegion>(std::move(*other)));
+  EXPECT_EQ(own.Find(other_name, key, "x").status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(own.Find((*owner)->name(), key, "x").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// What another program (or a caller) put in /dev/shm under a himoe name is no
+// region: it has no header, hence no key.
+TEST(SharedMemoryTest, AnObjectWithoutTheHeaderIsRefused) {
+  for (const off_t size : {off_t{16}, off_t{8192}}) {
+    const std::string name = absl::StrCat("/himoe-", getpid(), "-no-header-", size);
+    const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    ASSERT_GE(fd, 0) << std::strerror(errno);
+    absl::Cleanup unlink = [&] { shm_unlink(name.c_str()); };
+    ASSERT_EQ(ftruncate(fd, size), 0);
+    close(fd);
+    const auto opened = SharedMemoryRegion::Open(name);
+    EXPECT_EQ(opened.status().code(), absl::StatusCode::kFailedPrecondition) << opened.status();
+    EXPECT_THAT(opened.status().message(),
+                HasSubstr(size < 64 ? "fewer than a himoe region's header" : "no himoe header"));
+    SharedMemoryAttachments attachments(/*capacity=*/1);
+    EXPECT_EQ(attachments.Find(name, std::string(kSharedMemoryKeyBytes, '\0'), "f").status().code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
 }
 
 }  // namespace

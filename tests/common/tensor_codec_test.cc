@@ -340,6 +340,7 @@ TEST(TensorCodecSharedTest, SharedSlicesRoundTripAndAreCheckedLikeBytes) {
   EXPECT_EQ(proto.shared().region(), region->name());
   EXPECT_EQ(proto.shared().offset(), 128u);
   EXPECT_EQ(proto.shared().byte_size(), 48u);
+  EXPECT_EQ(proto.shared().key(), region->key());
   float* in_region = reinterpret_cast<float*>(*region->Slice(128, 48, "x"));
   EXPECT_EQ(in_region[5], 2.5f);
 
@@ -366,6 +367,11 @@ TEST(TensorCodecSharedTest, SharedSlicesRoundTripAndAreCheckedLikeBytes) {
   v1::Tensor outside = proto;
   outside.mutable_shared()->set_offset(4096);
   EXPECT_THAT(TakeTensor(&outside, "w", &own).status().message(), HasSubstr("lie outside"));
+  v1::Tensor keyless = proto;
+  keyless.mutable_shared()->clear_key();
+  const auto refused = TakeTensor(&keyless, "w", &own);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("w.shared.key: missing"));
   EXPECT_FALSE(EncodeTensorShared(t, *region, 4096, &proto).ok());
   EXPECT_FALSE(EncodeTensorShared(t, *region, 96, &proto).ok());  // not a multiple of 64
 }

@@ -601,18 +601,27 @@ def check_variant(objs, variant, stubs):
 
 
 def check_mtls(objs):
-    """overlays/mtls: every gRPC server and client gets --tls_ca/cert/key from the
-    Secret himoe-tls mounted read-only, and no probe is a gRPC one (the kubelet's
-    cannot present a client certificate)."""
+    """overlays/mtls: every gRPC server and client gets --tls_ca/cert/key from its
+    own Secret himoe-<workload>-tls mounted read-only, the experts the roles and
+    no --insecure_training, and no probe is a gRPC one (the kubelet's cannot
+    present a client certificate)."""
     want = {"--tls_ca": "/etc/himoe-tls/ca.pem", "--tls_cert": "/etc/himoe-tls/tls.pem",
             "--tls_key": "/etc/himoe-tls/tls.key"}
-    for kind, name in (("StatefulSet", EXPERT), ("Deployment", ROUTER), ("Job", TRAINER)):
+    for kind, name, secret in (("StatefulSet", EXPERT, "himoe-expert-tls"),
+                               ("Deployment", ROUTER, "himoe-router-tls"),
+                               ("Job", TRAINER, "himoe-trainer-tls")):
         w = one(objs, kind, name)
         if w is None:
             continue
         spec = pod_spec(w)
         c = spec["containers"][0]
         flags = parse_flags(c.get("args") or [])
+        if name == EXPERT:
+            roles = {"trainer_identity": "spiffe://himoe/trainer",
+                     "router_identity": "spiffe://himoe/router", "insecure_training": "false"}
+            for flag, value in roles.items():
+                C.check(flags.get(flag) == value,
+                        f"{name}: --{flag}={flags.get(flag)}, expected {value}")
         for flag, path in want.items():
             C.check(flags.get(flag.lstrip("-")) == path,
                     f"{name}: {flag}={flags.get(flag.lstrip('-'))}, expected {path}")
@@ -621,8 +630,8 @@ def check_mtls(objs):
                 f"{name}: /etc/himoe-tls is not mounted read-only once: {mounts}")
         volume = {v["name"]: v for v in spec.get("volumes") or []}.get(
             mounts[0]["name"] if mounts else "")
-        C.check(volume is not None and (volume.get("secret") or {}).get("secretName") == "himoe-tls",
-                f"{name}: /etc/himoe-tls is not the Secret himoe-tls: {volume}")
+        C.check(volume is not None and (volume.get("secret") or {}).get("secretName") == secret,
+                f"{name}: /etc/himoe-tls is not the Secret {secret}: {volume}")
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
             pr = c.get(probe)
             if pr is None:

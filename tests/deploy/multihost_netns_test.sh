@@ -5,6 +5,11 @@
 # losses must equal an in-process run of the same seed, and each expert
 # host's interface must have carried the traffic.
 #
+# The cluster runs as deployed across hosts: mutual TLS with roles
+# (deploy/make_certs.sh's certificates, the hosts' IPs as SANs). A trainer
+# presenting the router's certificate is refused PERMISSION_DENIED before
+# any group begins its run.
+#
 #   multihost_netns_test.sh HIMOE_EXPERT HIMOE_TRAINER
 #
 # Exit 77 (ctest SKIP_RETURN_CODE) with the reason when namespaces cannot be
@@ -47,7 +52,15 @@ host_ip() { netns_host_ip "$1"; }
 # Model: 2 MoE layers, d_model 32, N=8 experts in M=4 groups, seed 1.
 model_flags=(--num_groups=${kGroups} --num_experts=8 --num_layers=2 --d_model=32 --d_ff=64
   --seed=1)
-netns_experts_up "${expert_bin}" "${work}" "${kPort}" "${model_flags[@]}" --threads=1 ||
+host_ips=()
+for ((g = 0; g < kGroups; ++g)); do host_ips+=("$(host_ip "${g}")"); done
+bash "$(dirname "${BASH_SOURCE[0]}")/../../deploy/make_certs.sh" "${work}/certs" "${host_ips[@]}" \
+  >/dev/null
+tls_flags=(--tls_ca="${work}/certs/ca.pem" --tls_cert="${work}/certs/expert.pem"
+  --tls_key="${work}/certs/expert.key" --trainer_identity=spiffe://himoe/trainer
+  --router_identity=spiffe://himoe/router)
+netns_experts_up "${expert_bin}" "${work}" "${kPort}" "${model_flags[@]}" --threads=1 \
+  "${tls_flags[@]}" ||
   { echo "FAIL: ${NETNS_ERROR}" >&2; exit 1; }
 echo "experts serving on $(for ((g = 0; g < kGroups; ++g)); do echo -n "$(host_ip "${g}"):${kPort} "; done)"
 
@@ -71,11 +84,17 @@ rx_bytes() { ip netns exec "$1" cat /sys/class/net/eth0/statistics/rx_bytes; }
 rx_before=()
 for ((g = 0; g < kGroups; ++g)); do rx_before+=("$(rx_bytes "${hosts[g]}")"); done
 
-{
+# cluster_file TRAINER_CERT: the cluster, with the trainer presenting TRAINER_CERT.
+cluster_file() {
   echo "model { num_layers: 2 d_model: 32 d_ff: 64 num_experts: 8 num_groups: ${kGroups} top_k: 1 seed: 1 }"
   echo 'routing { method: "himoe" }'
   for ((g = 0; g < kGroups; ++g)); do echo "groups { address: \"$(host_ip "${g}"):${kPort}\" }"; done
-} >"${work}/cluster.textproto"
+  echo "tls { ca: \"certs/ca.pem\" cert: \"certs/expert.pem\" key: \"certs/expert.key\""
+  echo "  trainer { cert: \"certs/$1.pem\" key: \"certs/$1.key\" identity: \"spiffe://himoe/trainer\" }"
+  echo "  router { cert: \"certs/router.pem\" key: \"certs/router.key\" identity: \"spiffe://himoe/router\" } }"
+}
+cluster_file trainer >"${work}/cluster.textproto"
+cluster_file router >"${work}/impostor.textproto"
 
 # A small deterministic corpus.
 for ((line = 0; line < 600; ++line)); do
@@ -83,6 +102,14 @@ for ((line = 0; line < 600; ++line)); do
 done >"${work}/corpus.txt"
 common=(--data "${work}/corpus.txt" --n_layer 2 --n_head 2 --block_size 32 --batch_size 8
   --steps 6 --eval_every 3 --eval_windows 8 --warmup 2 --seed 1 --threads 1 --log_every 1)
+if ip netns exec "${coord}" "${trainer_bin}" --experts=cluster \
+  --cluster "${work}/impostor.textproto" "${common[@]}" --out_dir "${work}/impostor" \
+  >"${work}/impostor.log" 2>&1; then
+  echo "FAIL: a trainer with the router's certificate trained" >&2
+  exit 1
+fi
+grep -q "PERMISSION_DENIED.*BeginRun.*spiffe://himoe/router" "${work}/impostor.log" ||
+  { cat "${work}/impostor.log"; echo "FAIL: the impostor was not refused by the roles" >&2; exit 1; }
 ip netns exec "${coord}" "${trainer_bin}" --experts=cluster --cluster "${work}/cluster.textproto" \
   "${common[@]}" --out_dir "${work}/multihost" >"${work}/multihost.log" 2>&1 ||
   { cat "${work}/multihost.log"; echo "FAIL: training across the hosts failed" >&2; exit 1; }

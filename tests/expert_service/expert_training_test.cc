@@ -2,8 +2,16 @@
 // Forward, Backward, Step, Abort, the saved-state TTL and the optimizer state,
 // in process and over gRPC, against local autograd and torch::optim::AdamW.
 
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <openssl/sha.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/optim/adamw.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -16,13 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include <ATen/ATen.h>
-#include <gmock/gmock.h>
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
-#include <torch/csrc/autograd/autograd.h>
-#include <torch/optim/adamw.h>
-
+#include "absl/strings/str_cat.h"
 #include "common/shared_memory.h"
 #include "common/tensor_codec.h"
 #include "expert_service/expert_group.h"
@@ -535,6 +537,7 @@ TEST(ExpertTrainingCoreTest, SharedMemoryRowsTrainLikeInlineRows) {
       offset = AlignSharedOffset(offset + rows.nbytes());
     }
     output_slice->set_region(region->name());
+    output_slice->set_key(region->key());
     output_slice->set_offset(offset);
     output_slice->set_byte_size(region->size() - offset);
   };
@@ -601,6 +604,7 @@ TEST(ExpertTrainingCoreTest, BadSharedMemoryRequestsAreRefusedNamingTheField) {
     v1::Tensor* rows = r.mutable_inputs(0)->mutable_rows();
     rows->clear_data();
     rows->mutable_shared()->set_region(name);
+    rows->mutable_shared()->set_key((*made)->key());
     rows->mutable_shared()->set_offset(offset);
     rows->mutable_shared()->set_byte_size(3 * kD * sizeof(float));
     return r;
@@ -634,6 +638,7 @@ TEST(ExpertTrainingCoreTest, BadSharedMemoryRequestsAreRefusedNamingTheField) {
   cases.back().request.mutable_inputs(0)->mutable_rows()->mutable_shared()->set_byte_size(64);
   cases.push_back({request(0, name), absl::StatusCode::kInvalidArgument, "output_slice"});
   cases.back().request.mutable_output_slice()->set_region(name);
+  cases.back().request.mutable_output_slice()->set_key((*made)->key());
   cases.back().request.mutable_output_slice()->set_offset(128);
   cases.back().request.mutable_output_slice()->set_byte_size(4096);
   for (Case& c : cases) {
@@ -645,6 +650,84 @@ TEST(ExpertTrainingCoreTest, BadSharedMemoryRequestsAreRefusedNamingTheField) {
   std::memset(*(*made)->Slice(0, 96, "rows"), 0, 96);
   ASSERT_TRUE((*core)->Forward(&good, &response).ok());
   EXPECT_EQ(Decode(response.outputs(0).rows()).size(0), 3);
+}
+
+// Two clients of one service on one host: the victim's rows for another
+// group wait in its region. A caller that names that region, without its key
+// or with its own, neither reads the rows nor writes over them; the same
+// call naming the caller's own region is served.
+TEST(ExpertTrainingCoreTest, AnotherClientsRegionIsNeitherReadNorWritten) {
+  ExpertServiceOptions o = CoreOptions();
+  o.shared_memory = true;
+  auto core = ExpertServiceCore::Create(o);
+  ASSERT_TRUE(core.ok()) << core.status();
+  auto victim = SharedMemoryRegion::Create("g3", 4096);
+  auto mine = SharedMemoryRegion::Create("g1", 4096);
+  ASSERT_TRUE(victim.ok()) << victim.status();
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  const Inputs inputs = RandomInputs({{2, 3}});
+  const uint64_t row_bytes = 3 * kD * sizeof(float);
+  v1::Tensor parked;
+  ASSERT_TRUE(EncodeTensorShared(inputs[0].second, **victim, 0, &parked).ok());
+  const std::string before(reinterpret_cast<const char*>(*(*victim)->Slice(0, 4096, "all")), 4096);
+
+  // rows_in / out_in: the region the rows / the outputs name; key: the key sent.
+  auto call = [&](SharedMemoryRegion& rows_in, SharedMemoryRegion& out_in, const std::string& key) {
+    v1::ExpertForwardRequest r = ForwardRequest(Key{1, 0, 1, 9}, inputs, /*save=*/false);
+    if (&rows_in == &**mine) {
+      EXPECT_TRUE(
+          EncodeTensorShared(inputs[0].second, rows_in, 0, r.mutable_inputs(0)->mutable_rows())
+              .ok());
+    } else {
+      v1::SharedMemorySlice* slice = r.mutable_inputs(0)->mutable_rows()->mutable_shared();
+      r.mutable_inputs(0)->mutable_rows()->clear_data();
+      slice->set_region(rows_in.name());
+      slice->set_offset(0);
+      slice->set_byte_size(row_bytes);
+    }
+    r.mutable_inputs(0)->mutable_rows()->mutable_shared()->set_key(key);
+    r.mutable_output_slice()->set_region(out_in.name());
+    r.mutable_output_slice()->set_key(key);
+    r.mutable_output_slice()->set_offset(1024);
+    r.mutable_output_slice()->set_byte_size(1024);
+    v1::ExpertForwardResponse response;
+    const absl::Status s = (*core)->Forward(&r, &response);
+    return std::make_pair(s, response);
+  };
+  const std::string& my_key = (*mine)->key();
+  struct Attack {
+    SharedMemoryRegion* rows;
+    SharedMemoryRegion* out;
+    std::string key;
+    std::string field;
+  };
+  const std::vector<Attack> attacks = {
+      {victim->get(), mine->get(), "", "inputs[0].rows.shared.key: missing"},
+      {victim->get(), mine->get(), my_key, "inputs[0].rows.shared.key: not the key of region"},
+      {mine->get(), victim->get(), my_key, "output_slice.key: not the key of region"},
+  };
+  for (const Attack& a : attacks) {
+    const auto [s, response] = call(*a.rows, *a.out, a.key);
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+    EXPECT_THAT(s.message(), HasSubstr(a.field));
+    EXPECT_THAT(s.message(), HasSubstr((*victim)->name()));
+    EXPECT_EQ(response.outputs_size(), 0);
+  }
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(*(*victim)->Slice(0, 4096, "all")), 4096),
+            before);
+
+  // The caller's own region, with its key: served, into its region.
+  const auto [s, response] = call(**mine, **mine, my_key);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_EQ(response.outputs_size(), 1);
+  v1::Tensor out = response.outputs(0).rows();
+  EXPECT_EQ(out.shared().region(), (*mine)->name());
+  OwnSharedMemory own(std::shared_ptr<SharedMemoryRegion>(std::move(*mine)));
+  auto y = TakeTensor(&out, "y", &own);
+  ASSERT_TRUE(y.ok()) << y.status();
+  auto want = LocalGroup(1)->Forward(inputs[0].second, at::full({3}, 2, at::kLong));
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_LE(MaxAbsDiff(*y, *want), 1e-6);
 }
 
 TEST(ExpertTrainingCoreTest, Bf16OutputGradsGiveBf16InputGrads) {
@@ -880,6 +963,84 @@ TEST(ExpertTrainingCoreTest, BeginRunStartsFromTheSeedAndKeysStepsByRun) {
   EXPECT_EQ(long_id.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(long_id.message()), HasSubstr("run_id: 129 bytes; expected 1 to 128"));
   EXPECT_EQ(core->Info().run_id, "run-b");
+}
+
+// The oracle of weights_fingerprint's digest: SHA-256 over each parameter's
+// name (with its NUL) and bytes, in name order; the first 8 bytes in hex.
+std::string HandDigest(std::vector<NamedTensor> weights) {
+  std::sort(weights.begin(), weights.end(),
+            [](const NamedTensor& a, const NamedTensor& b) { return a.first < b.first; });
+  std::string bytes;
+  for (const auto& [name, tensor] : weights) {
+    bytes.append(name.c_str(), name.size() + 1);
+    const at::Tensor t = tensor.contiguous();
+    bytes.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
+  }
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), digest);
+  std::string hex;
+  for (int i = 0; i < 8; ++i) absl::StrAppend(&hex, absl::Hex(digest[i], absl::kZeroPad2));
+  return hex;
+}
+
+// The fingerprint names the weights: a digest of them as set last, "+n"
+// after n Steps applied. A model a router loaded (served) keeps its weights
+// against a BeginRun that does not take it over.
+TEST(ExpertTrainingCoreTest, WeightsFingerprintNamesTheWeightsServed) {
+  auto trained = MakeCore();
+  auto serving = MakeCore();
+  const std::string seed = HandDigest(Weights(*trained));
+  EXPECT_EQ(trained->Info().weights_fingerprint, seed);
+  EXPECT_EQ(serving->Info().weights_fingerprint, seed);  // another process, same weights
+  v1::ExpertForwardResponse forward;
+  const Inputs inputs = RandomInputs({{2, 3}});
+  ASSERT_TRUE(
+      trained->Forward(ForwardRequest(Key{1, 0, 1, 0}, inputs, /*save=*/false), &forward).ok());
+  EXPECT_EQ(forward.weights_fingerprint(), seed);
+
+  v1::BeginRunRequest begin;
+  begin.set_run_id("run");
+  v1::BeginRunResponse begun;
+  ASSERT_TRUE(trained->BeginRun(begin, &begun).ok());
+  for (uint64_t step = 1; step <= 2; ++step) {
+    CoreForwardBackward(trained.get(), Key{step, 0, 1, 0, "run"}, inputs, RandomGrads(inputs));
+    v1::ExpertStepRequest request = StepRequest(step);
+    request.set_run_id("run");
+    v1::ExpertStepResponse r;
+    ASSERT_TRUE(trained->Step(request, &r).ok());
+  }
+  EXPECT_EQ(trained->Info().weights_fingerprint, seed + "+2");
+  v1::ExpertStepRequest repeated = StepRequest(2);  // not applied again
+  repeated.set_run_id("run");
+  v1::ExpertStepResponse r;
+  ASSERT_TRUE(trained->Step(repeated, &r).ok());
+  EXPECT_EQ(trained->Info().weights_fingerprint, seed + "+2");
+
+  // The trained weights, loaded for serving.
+  const std::vector<NamedTensor> model = Weights(*trained);
+  std::string loaded;
+  ASSERT_TRUE(serving->SetState(model, /*served=*/true, &loaded).ok());
+  EXPECT_EQ(loaded, HandDigest(model));
+  EXPECT_NE(loaded, seed);
+  EXPECT_EQ(serving->Info().weights_fingerprint, loaded);
+  EXPECT_TRUE(serving->Info().served);
+  ASSERT_TRUE(
+      serving->Forward(ForwardRequest(Key{1, 0, 1, 0}, inputs, /*save=*/false), &forward).ok());
+  EXPECT_EQ(forward.weights_fingerprint(), loaded);
+
+  begin.set_run_id("intruder");
+  const absl::Status refused = serving->BeginRun(begin, &begun);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("take_over"));
+  EXPECT_TRUE(SameWeights(Weights(*serving), model));
+  EXPECT_EQ(serving->Info().weights_fingerprint, loaded);
+  EXPECT_EQ(serving->Info().run_id, "");
+
+  begin.set_take_over(true);
+  ASSERT_TRUE(serving->BeginRun(begin, &begun).ok());
+  EXPECT_EQ(serving->Info().weights_fingerprint, seed);
+  EXPECT_FALSE(serving->Info().served);
+  EXPECT_EQ(serving->Info().run_id, "intruder");
 }
 
 TEST(ExpertTrainingCoreTest, BackwardAfterTheWeightsChangedIsFailedPrecondition) {

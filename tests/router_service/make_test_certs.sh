@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Test certificates for mutual TLS, made with openssl in directory $1:
 #   ca.pem/.key          the cluster's CA
-#   server.pem/.key      signed by it, subjectAltName IP:127.0.0.1, DNS:localhost
-#   client.pem/.key      signed by it
+#   expert, router, trainer .pem/.key   deploy/make_certs.sh's, one per role
+#                        (URI:spiffe://himoe/<role>)
+#   server.pem/.key      signed by the CA, subjectAltName IP:127.0.0.1, DNS:localhost
+#   client.pem/.key      signed by it, the same names and no role
 #   stranger.pem/.key    signed by another CA (other_ca.pem)
 #   expired.pem/.key     signed by the CA, valid until yesterday
-# The same steps make a cluster's certificates (README, "Mutual TLS").
 set -euo pipefail
 dir="$1"
-mkdir -p "${dir}"
+HIMOE_CERT_DAYS=30 bash "$(dirname "${BASH_SOURCE[0]}")/../../deploy/make_certs.sh" "${dir}" \
+  >/dev/null
 cd "${dir}"
 ca() {  # name subject
   openssl req -x509 -newkey rsa:2048 -nodes -keyout "$1.key" -out "$1.pem" -days 30 \
@@ -23,7 +25,6 @@ leaf() {  # name ca days
     -extfile "$1.ext" -out "$1.pem" 2>/dev/null
   rm -f "$1.csr" "$1.ext"
 }
-ca ca "himoe test CA"
 ca other_ca "another CA"
 leaf server ca 30
 leaf client ca 30

@@ -1,5 +1,10 @@
 // The router over real gRPC on 127.0.0.1 in front of 4 in-process expert
 // services, checked against LocalMoE on the same weights and inputs.
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <prometheus/registry.h>
+
 #include <atomic>
 #include <chrono>
 #include <future>
@@ -9,16 +14,12 @@
 #include <thread>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
-#include <prometheus/registry.h>
-
 #include "absl/strings/str_cat.h"
 #include "common/metrics_endpoint.h"
 #include "common/tensor_codec.h"
 #include "expert_service/expert_grpc_service.h"
 #include "proto/grpc_status.h"
+#include "router_service/remote_moe.h"
 #include "router_service/router_grpc_service.h"
 #include "router_service/routing/local_moe.h"
 #include "tests/http_get.h"
@@ -363,6 +364,116 @@ TEST_F(RouterServiceTest, DeadGroupIsUnavailableNamingItThenRecovers) {
   }
   ASSERT_TRUE(up.ok()) << up.status();
   EXPECT_LE(MaxAbsDiff(Output(*up), Reference(Options(RoutingMethod::kHiMoe).moe.routing, 0, x).output), 1e-5);
+}
+
+// Counts what RemoteMoE reports of changed weights.
+struct WeightsObserver : ForwardObserver {
+  void OnRouted(int, const RoutingStats&) override {}
+  void OnGroupDispatch(int, double, int64_t) override {}
+  void OnWeightsChanged(int group) override { ++changed[group]; }
+  void OnExpertsReloaded(int group, bool ok) override { ++(ok ? reloaded : failed)[group]; }
+  std::atomic<int> changed[kM] = {}, reloaded[kM] = {}, failed[kM] = {};
+};
+
+// A model the router loaded (LoadExpertState) cannot change under it: an
+// outside BeginRun is refused by the group; one that takes it over fails the
+// router's next call with FAILED_PRECONDITION naming the group and both
+// fingerprints, and the router that reloads serves the loaded model again.
+TEST_F(RouterServiceTest, AServedModelCannotChangeSilently) {
+  RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+  auto make = [&](bool reload, WeightsObserver* observer) {
+    RemoteMoEOptions mo = o.moe;
+    mo.reload_changed_experts = reload;
+    auto moe = RemoteMoE::Create(mo);
+    EXPECT_TRUE(moe.ok()) << moe.status();
+    EXPECT_TRUE((*moe)->VerifyGroups(std::chrono::milliseconds(5000)).ok());
+    (*moe)->set_observer(observer);
+    return std::move(moe).value();
+  };
+  WeightsObserver plain_seen, reload_seen;
+  auto plain = make(false, &plain_seen);
+  auto reloading = make(true, &reload_seen);
+  // The "checkpoint": every group's seed weights, scaled.
+  std::vector<std::vector<NamedTensor>> model(kM);
+  for (int g = 0; g < kM; ++g) {
+    auto state = plain->group(g).GetState(/*include_optimizer=*/false);
+    ASSERT_TRUE(state.ok()) << state.status();
+    for (auto& [name, tensor] : *state) model[g].emplace_back(name, tensor * 1.5);
+    ASSERT_TRUE(plain->LoadExpertState(g, model[g]).ok());
+    ASSERT_TRUE(reloading->LoadExpertState(g, model[g]).ok());
+  }
+  const std::string loaded = plain->group(1).pinned_weights(0);
+  const at::Tensor x = at::randn({32, kD});  // himoe: every group gets rows
+  at::NoGradGuard no_grad;
+  auto served = plain->Forward(0, x);
+  ASSERT_TRUE(served.ok()) << served.status();
+  const at::Tensor seed_output = Reference(o.moe.routing, 0, x).output;
+  ASSERT_GT(MaxAbsDiff(served->output, seed_output), 1e-3);  // the loaded model is served
+
+  expert::ExpertGroupClientOptions outside;
+  outside.group_id = 1;
+  outside.addresses = {Loopback(experts_[1]->port())};
+  auto intruder = expert::ExpertGroupClient::Create(outside);
+  ASSERT_TRUE(intruder.ok());
+  const auto refused = (*intruder)->BeginRun("intruder");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("take_over"));
+  auto still = plain->Forward(0, x);
+  ASSERT_TRUE(still.ok()) << still.status();
+  EXPECT_TRUE(at::equal(still->output, served->output));
+
+  ASSERT_TRUE((*intruder)->BeginRun("intruder", /*take_over=*/true).ok());
+  const std::string seed = (*intruder)->Info()->weights_fingerprint();
+  for (RemoteMoE* moe : {plain.get(), reloading.get()}) {
+    auto changed = moe->Forward(0, x);
+    EXPECT_EQ(changed.status().code(), absl::StatusCode::kFailedPrecondition) << changed.status();
+    const std::string message(changed.status().message());
+    EXPECT_THAT(message, HasSubstr("expert group 1 at " + Loopback(experts_[1]->port())));
+    EXPECT_THAT(message, HasSubstr("serves weights '" + seed + "', not the '" + loaded + "'"));
+  }
+  EXPECT_EQ(plain_seen.changed[1], 1);
+  EXPECT_EQ(reload_seen.changed[1], 1);
+  EXPECT_EQ(reload_seen.reloaded[1], 1);
+  EXPECT_EQ(plain_seen.changed[0] + plain_seen.changed[2] + plain_seen.changed[3], 0);
+  // Reloaded: the loaded model again, for both routers (its fingerprint is
+  // the digest of the same weights).
+  EXPECT_EQ((*intruder)->Info()->weights_fingerprint(), loaded);
+  for (RemoteMoE* moe : {reloading.get(), plain.get()}) {
+    auto again = moe->Forward(0, x);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_TRUE(at::equal(again->output, served->output));
+  }
+}
+
+// A router serving the groups' weights as they are (pin_weights: a
+// checkpoint already in them) pins what each served at start: an outside
+// SetState of other weights fails its RouteForward calls. A router that does
+// not pin serves whatever the groups hold (a trainer may be training them).
+TEST_F(RouterServiceTest, OtherWeightsSetFromOutsideFailTheRoutersCalls) {
+  RouterServerOptions follows = Options(RoutingMethod::kHiMoe);
+  auto follower = RouterServer::Start(follows);
+  ASSERT_TRUE(follower.ok()) << follower.status();
+  RouterServerOptions pinned = Options(RoutingMethod::kHiMoe);
+  pinned.moe.pin_weights = true;
+  StartRouter(pinned);
+  const at::Tensor x = at::randn({32, kD});
+  ASSERT_TRUE(Route(0, x).ok());
+  expert::ExpertGroupClientOptions outside;
+  outside.group_id = 3;
+  outside.addresses = {Loopback(experts_[3]->port())};
+  auto intruder = expert::ExpertGroupClient::Create(outside);
+  ASSERT_TRUE(intruder.ok());
+  auto state = (*intruder)->GetState(false);
+  ASSERT_TRUE(state.ok());
+  for (auto& [name, tensor] : *state) tensor = at::zeros_like(tensor);
+  ASSERT_TRUE((*intruder)->SetState(*state).ok());
+  const auto refused = Route(0, x);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("expert group 3"));
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("weights_fingerprint"));
+  stub_ = v1::RouterService::NewStub(
+      grpc::CreateChannel(Loopback((*follower)->port()), grpc::InsecureChannelCredentials()));
+  EXPECT_TRUE(Route(0, x).ok());
 }
 
 TEST_F(RouterServiceTest, FailsOverToReplica) {

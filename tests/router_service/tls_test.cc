@@ -2,6 +2,10 @@
 // certificates made by openssl (make_test_certs.sh): the right certificates
 // work, and an unknown CA, an expired certificate, a missing client
 // certificate and plaintext are refused.
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -11,13 +15,8 @@
 #include <string>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
-
-#include <ATen/ATen.h>
-
 #include "common/tensor_codec.h"
+#include "expert_service/expert_access.h"
 #include "expert_service/expert_client.h"
 #include "expert_service/expert_grpc_service.h"
 #include "proto/grpc_status.h"
@@ -186,6 +185,88 @@ TEST_F(TlsTest, RouterOverTlsEndToEnd) {
   EXPECT_LE((*got - want->output).abs().max().item<double>(), 1e-5);
   EXPECT_EQ(call(grpc::InsecureChannelCredentials(), &response).error_code(),
             grpc::StatusCode::UNAVAILABLE);
+}
+
+// Roles from the certificates' SANs (deploy/make_certs.sh): only the
+// trainer's certificate trains; the router's serves and loads; any other
+// certificate of the CA reads Info only. Refusals are PERMISSION_DENIED
+// naming the method, and change nothing.
+TEST_F(TlsTest, OnlyTheTrainersCertificateTrains) {
+  expert::ExpertAccessOptions access;
+  access.tls = true;
+  access.trainer_identity = "spiffe://himoe/trainer";
+  access.router_identity = "spiffe://himoe/router";
+  std::vector<std::string> warnings;
+  auto policy = expert::ExpertAccessPolicy(access, &warnings);
+  ASSERT_TRUE(policy.ok()) << policy.status();
+  expert::ExpertServerOptions o;
+  o.address = "127.0.0.1:0";
+  o.core.shape = testing::Shape();
+  o.core.group_id = 1;
+  o.tls = Files("ca", "server");
+  o.policy = *policy;
+  auto server = expert::ExpertServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const auto stub = [&](const std::string& leaf) {
+    auto credentials = MakeChannelCredentials(Files("ca", leaf));
+    EXPECT_TRUE(credentials.ok()) << credentials.status();
+    return v1::ExpertService::NewStub(
+        grpc::CreateChannel(testing::Loopback((*server)->port()), *credentials));
+  };
+  const auto context = [] {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return c;
+  };
+  const auto step = [&](v1::ExpertService::Stub& s) {
+    v1::ExpertStepRequest request;
+    request.set_norm_only(true);
+    v1::ExpertStepResponse response;
+    return s.Step(context().get(), request, &response);
+  };
+  const auto begin = [&](v1::ExpertService::Stub& s, const std::string& run) {
+    v1::BeginRunRequest request;
+    request.set_run_id(run);
+    v1::BeginRunResponse response;
+    return s.BeginRun(context().get(), request, &response);
+  };
+  const auto forward = [&](v1::ExpertService::Stub& s, bool save) {
+    v1::ExpertForwardRequest request;
+    request.set_save_for_backward(save);
+    request.set_run_id("run");
+    v1::ExpertRows* in = request.add_inputs();
+    in->set_expert_id(2);
+    EXPECT_TRUE(EncodeTensor(at::randn({2, kD}), in->mutable_rows()).ok());
+    v1::ExpertForwardResponse response;
+    return s.Forward(context().get(), request, &response);
+  };
+  const auto info = [&](v1::ExpertService::Stub& s) {
+    v1::ExpertInfoResponse response;
+    return s.Info(context().get(), v1::ExpertInfoRequest(), &response);
+  };
+  auto trainer = stub("trainer");
+  auto router = stub("router");
+  auto other = stub("client");  // the CA's, without a role
+
+  for (auto* s : {router.get(), other.get()}) {
+    const grpc::Status refused = step(*s);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::PERMISSION_DENIED) << refused.error_message();
+    EXPECT_THAT(refused.error_message(), HasSubstr("/himoe.v1.ExpertService/Step: caller ["));
+    EXPECT_EQ(begin(*s, "intruder").error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_EQ(forward(*s, /*save=*/true).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_TRUE(info(*s).ok());
+  }
+  EXPECT_THAT(step(*router).error_message(), HasSubstr("spiffe://himoe/router"));
+  EXPECT_EQ((*server)->core()->Info().run_id, "");
+  EXPECT_TRUE(forward(*router, /*save=*/false).ok());
+  EXPECT_EQ(forward(*other, /*save=*/false).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+
+  const grpc::Status begun = begin(*trainer, "run");
+  ASSERT_TRUE(begun.ok()) << begun.error_message();
+  EXPECT_TRUE(forward(*trainer, /*save=*/true).ok());
+  EXPECT_TRUE(step(*trainer).ok());
+  EXPECT_EQ((*server)->core()->Info().run_id, "run");
+  EXPECT_EQ((*server)->core()->pending_saved(), 1);
 }
 
 }  // namespace

@@ -2,6 +2,9 @@
 // over real gRPC equals training with them in-process, step by step.
 #include "trainer/trainer.h"
 
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -11,15 +14,11 @@
 #include <string>
 #include <vector>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
-#include <ATen/ATen.h>
-
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/torch_runtime.h"
+#include "expert_service/expert_client.h"
 #include "model/model_config.h"
 #include "tests/trainer/trainer_test_util.h"
 #include "trainer/expert_backend.h"
@@ -592,6 +591,44 @@ TEST(RemoteTrainingTest, ServicesOfAnotherSeedAreRefused) {
   EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition) << t.status();
   EXPECT_THAT(t.status().message(), HasSubstr("seed"));
   EXPECT_THAT(t.status().message(), HasSubstr(cluster.addresses()[0]));
+}
+
+// Groups serving a model a router loaded are refused at start, before any
+// group begins the run; with take_over_served_experts the run begins there.
+TEST(RemoteTrainingTest, GroupsServingARoutersModelAreTakenOverOnlyWhenAsked) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster cluster(o);
+  expert::ExpertGroupClientOptions go;
+  go.group_id = 2;
+  go.addresses = {cluster.addresses()[2]};
+  auto router = expert::ExpertGroupClient::Create(go);
+  ASSERT_TRUE(router.ok());
+  auto state = (*router)->GetState(false);
+  ASSERT_TRUE(state.ok()) << state.status();
+  const auto loaded = (*router)->ServeState(*state, 0);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+
+  auto refused = Trainer::Create(cluster.Remote(o));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("expert groups 2 (" + cluster.addresses()[2] + ", weights " + *loaded));
+  EXPECT_THAT(refused.status().message(), HasSubstr("--take_over_served_experts"));
+  for (int g = 0; g < o.model.routing.num_groups; ++g) {
+    go.group_id = g;
+    go.addresses = {cluster.addresses()[g]};
+    auto client = expert::ExpertGroupClient::Create(go);
+    ASSERT_TRUE(client.ok());
+    EXPECT_EQ((*client)->Info()->run_id(), "") << "group " << g << " began a run";
+  }
+  EXPECT_TRUE((*router)->Info()->served());
+
+  TrainerOptions take_over = cluster.Remote(o);
+  take_over.take_over_served_experts = true;
+  auto t = Trainer::Create(take_over);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_FALSE((*router)->Info()->served());
+  EXPECT_EQ((*router)->Info()->run_id(), (*t)->run_id());
 }
 
 }  // namespace
