@@ -73,7 +73,12 @@ absl::StatusOr<std::unique_ptr<RemoteMoE>> RemoteMoE::Create(const RemoteMoEOpti
     go.group_id = g;
     go.pin_weights = options.pin_weights;
     HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(go));
-    client->set_on_weights_changed([self, g](size_t replica, const std::string&) {
+    client->set_on_weights_changed([self, g](size_t replica, const std::string& served) {
+      LOG_EVERY_N(WARNING, 100) << "expert group " << g << " at "
+                                << self->groups_[g]->addresses()[replica] << " serves weights "
+                                << served << ", not the " << self->groups_[g]->pinned_weights(replica)
+                                << " pinned; its answers are refused (" << google::COUNTER
+                                << " so far)";
       {
         std::lock_guard<std::mutex> lock(self->changed_mu_);
         self->changed_.emplace_back(g, replica);
