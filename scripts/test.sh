@@ -4,7 +4,7 @@
 # TIMEOUT), then builds and runs the fuzz targets (scripts/fuzz.sh). Prints
 # the time of each phase; docs/testing.md explains where CI's time goes.
 #
-#   HIMOE_FUZZ_SECONDS=N  seconds per fuzz target (default 30)
+#   HIMOE_FUZZ_SECONDS=N  seconds per fuzz target (default 25)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,6 +19,6 @@ ctest --test-dir "${ROOT}/build" --output-on-failure -j2 --timeout 600
 echo "[test] ctest: $((SECONDS - phase_start)) s"
 
 phase_start=${SECONDS}
-bash "${ROOT}/scripts/fuzz.sh" "${HIMOE_FUZZ_SECONDS:-30}"
+bash "${ROOT}/scripts/fuzz.sh" "${HIMOE_FUZZ_SECONDS:-25}"
 echo "[test] fuzz: $((SECONDS - phase_start)) s"
 echo "[test] total: $((SECONDS - start)) s"

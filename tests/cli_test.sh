@@ -21,9 +21,11 @@ help() {
     grep -q -- "--${flag} (" "${out}" || fail "$(basename "${bin}") --help does not list --${flag}"
   done
 }
-help "${expert}" address group_id num_groups num_experts d_model seed dtype device port_file
-help "${router}" cluster address metrics_port checkpoint max_new_tokens
-help "${trainer}" experts cluster method preset steps checkpoint_every resume wire_dtype
+help "${expert}" address group_id num_groups num_experts d_model seed dtype device port_file \
+  trainer_identity router_identity authz_policy insecure_training
+help "${router}" cluster address metrics_port checkpoint max_new_tokens reload_changed_experts
+help "${trainer}" experts cluster method preset steps checkpoint_every resume wire_dtype \
+  take_over_served_experts
 help "${cluster}" cluster bin_dir log_dir ready_timeout_s
 
 # refused BINARY ARGS...: exits non-zero naming --address and host:port.
@@ -49,6 +51,18 @@ grep -q "serving on 127.0.0.1:$(cut -d' ' -f1 "${tmp}/port")" "${tmp}/expert.log
   fail "himoe-expert does not serve on 127.0.0.1:<port file's port>: $(tail -2 "${tmp}/expert.log")"
 kill -TERM "${pid}"
 wait "${pid}" || fail "himoe-expert did not exit 0 on SIGTERM"
+
+# An authorization policy is checked at start: a bad one stops himoe-expert
+# naming the field, before it serves.
+printf '{"name": "p", "allow_rules": [{"name": "a", "request": {"paths": ["/himoe.v1.ExpertService/Stepp"]}}]}' \
+  >"${tmp}/policy.json"
+if "${expert}" --address=127.0.0.1:0 --num_experts=2 --threads=1 --authz_policy="${tmp}/policy.json" \
+  >"${tmp}/policy.txt" 2>&1; then
+  fail "himoe-expert --authz_policy with an unknown method: accepted"
+elif ! grep -q "allow_rules\[0\].request.paths\[0\]: '/himoe.v1.ExpertService/Stepp' names no method" \
+  "${tmp}/policy.txt"; then
+  fail "himoe-expert --authz_policy: $(tail -1 "${tmp}/policy.txt")"
+fi
 
 # A bad --wire_dtype is refused by name, before anything starts.
 if "${trainer}" --experts=inprocess --wire_dtype=fp8 --steps=1 >"${tmp}/wire.txt" 2>&1; then
