@@ -1,8 +1,6 @@
 #ifndef HIMOE_EXPERT_SERVICE_EXPERT_CLIENT_H_
 #define HIMOE_EXPERT_SERVICE_EXPERT_CLIENT_H_
 
-#include <grpcpp/channel.h>
-
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -11,6 +9,8 @@
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include <grpcpp/channel.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"

@@ -1,13 +1,13 @@
 #ifndef HIMOE_EXPERT_SERVICE_EXPERT_GRPC_SERVICE_H_
 #define HIMOE_EXPERT_SERVICE_EXPERT_GRPC_SERVICE_H_
 
-#include <grpcpp/grpcpp.h>
-
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+
+#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"

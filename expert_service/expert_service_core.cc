@@ -1,13 +1,13 @@
 #include "expert_service/expert_service_core.h"
 
+#include <chrono>
+#include <mutex>
+#include <optional>
+
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <openssl/evp.h>
 #include <torch/csrc/autograd/autograd.h>
-
-#include <chrono>
-#include <mutex>
-#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/all_finite.h"

@@ -1,12 +1,12 @@
 #ifndef HIMOE_PROTO_TLS_CREDENTIALS_H_
 #define HIMOE_PROTO_TLS_CREDENTIALS_H_
 
+#include <memory>
+#include <string>
+
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_context.h>
-
-#include <memory>
-#include <string>
 
 #include "absl/status/statusor.h"
 #include "common/access_policy.h"

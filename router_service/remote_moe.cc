@@ -1,13 +1,13 @@
 #include "router_service/remote_moe.h"
 
-#include <ATen/ATen.h>
-#include <glog/logging.h>
-
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <utility>
+
+#include <ATen/ATen.h>
+#include <glog/logging.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/expert_shape.h"

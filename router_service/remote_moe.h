@@ -1,8 +1,6 @@
 #ifndef HIMOE_ROUTER_SERVICE_REMOTE_MOE_H_
 #define HIMOE_ROUTER_SERVICE_REMOTE_MOE_H_
 
-#include <ATen/core/Tensor.h>
-
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -10,6 +8,8 @@
 #include <mutex>
 #include <utility>
 #include <vector>
+
+#include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
 #include "expert_service/expert_client.h"

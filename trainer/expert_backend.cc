@@ -1,14 +1,14 @@
 #include "trainer/expert_backend.h"
 
-#include <ATen/ATen.h>
-#include <glog/logging.h>
-#include <torch/csrc/autograd/custom_function.h>
-
 #include <algorithm>
 #include <atomic>
 #include <functional>
 #include <map>
 #include <mutex>
+
+#include <glog/logging.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"

@@ -356,20 +356,25 @@ TEST_F(LauncherTest, StartsServesAndStopsOnSigint) {
   EXPECT_THAT(launcher.Stderr(), Not(HasSubstr("SIGKILL")));
 }
 
-// A cluster file's tls: every group and the router serve mutual TLS only,
-// the launcher's readiness probes and the router's group calls use it, and
-// its paths are relative to the file's folder (the launcher runs elsewhere).
+// A cluster file's tls with roles: every group and the router serve mutual
+// TLS only, the launcher's readiness probes and the router's group calls use
+// it (the router with its role's certificate), the groups answer training
+// only to the trainer's, and its paths are relative to the file's folder
+// (the launcher runs elsewhere).
 TEST_F(LauncherTest, ServesMutualTlsOnEveryPortFromTheClusterFile) {
   const std::string certs = dir_.path() + "/certs";
   const std::string command = absl::StrCat(
       "bash ", HIMOE_SOURCE_DIR, "/tests/router_service/make_test_certs.sh ", certs);
   ASSERT_EQ(std::system(command.c_str()), 0) << command;
-  cluster_extra_ =
-      R"(tls { ca: "certs/ca.pem" cert: "certs/server.pem" key: "certs/server.key" })";
+  cluster_extra_ = R"(tls { ca: "certs/ca.pem" cert: "certs/expert.pem" key: "certs/expert.key"
+  trainer { cert: "certs/trainer.pem" key: "certs/trainer.key" identity: "spiffe://himoe/trainer" }
+  router { cert: "certs/router.pem" key: "certs/router.key" identity: "spiffe://himoe/router" } })";
   LauncherProcess launcher;
   ASSERT_NO_FATAL_FAILURE(StartSmallCluster(launcher));
-  EXPECT_THAT(test_util::ReadTextFile(log_dir_ + "/expert-1.log"),
-              HasSubstr(absl::StrCat("--tls_ca=", certs, "/ca.pem")));
+  const std::string expert_log = test_util::ReadTextFile(log_dir_ + "/expert-1.log");
+  EXPECT_THAT(expert_log, HasSubstr(absl::StrCat("--tls_ca=", certs, "/ca.pem")));
+  EXPECT_THAT(expert_log, HasSubstr("--trainer_identity=spiffe://himoe/trainer"));
+  EXPECT_THAT(expert_log, HasSubstr("--router_identity=spiffe://himoe/router"));
 
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> client = MakeChannelCredentials(
       TlsFiles{certs + "/ca.pem", certs + "/client.pem", certs + "/client.key"});
@@ -404,6 +409,18 @@ TEST_F(LauncherTest, ServesMutualTlsOnEveryPortFromTheClusterFile) {
     v1::ExpertInfoResponse info;
     EXPECT_EQ(expert->Info(&context, v1::ExpertInfoRequest(), &info).error_code(),
               grpc::StatusCode::UNAVAILABLE);
+  }
+  {
+    // A certificate of the CA without the trainer's role may not train.
+    auto expert = v1::ExpertService::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", group_ports_[0]), *client));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::BeginRunRequest begin;
+    begin.set_run_id("intruder");
+    v1::BeginRunResponse begun;
+    const grpc::Status refused = expert->BeginRun(&context, begin, &begun);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::PERMISSION_DENIED) << refused.error_message();
   }
 
   ASSERT_EQ(kill(launcher.pid(), SIGINT), 0);
@@ -681,6 +698,16 @@ router { address: "127.0.0.1:50990" })",
       {"tls without a key", good + R"(tls { ca: "ca.pem" cert: "server.pem" })",
        {},
        {"tls: ca, cert and key are all needed"}},
+      {"tls role without identity",
+       good + R"(tls { ca: "ca.pem" cert: "server.pem" key: "server.key"
+                       trainer { cert: "t.pem" key: "t.key" } })",
+       {},
+       {"tls.trainer: cert, key and identity are all needed"}},
+      {"router role without a trainer",
+       good + R"(tls { ca: "ca.pem" cert: "server.pem" key: "server.key"
+                       router { cert: "r.pem" key: "r.key" identity: "spiffe://himoe/router" } })",
+       {},
+       {"tls.router: roles need tls.trainer too"}},
       {"tls file missing",
        good + R"(tls { ca: "no-ca.pem" cert: "no-server.pem" key: "no-server.key" })",
        {},

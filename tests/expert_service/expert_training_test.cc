@@ -2,13 +2,6 @@
 // Forward, Backward, Step, Abort, the saved-state TTL and the optimizer state,
 // in process and over gRPC, against local autograd and torch::optim::AdamW.
 
-#include <ATen/ATen.h>
-#include <gmock/gmock.h>
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
-#include <openssl/sha.h>
-#include <torch/csrc/autograd/autograd.h>
-#include <torch/optim/adamw.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,6 +16,14 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <openssl/sha.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/optim/adamw.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/shared_memory.h"

@@ -1,10 +1,5 @@
 // The router over real gRPC on 127.0.0.1 in front of 4 in-process expert
 // services, checked against LocalMoE on the same weights and inputs.
-#include <gmock/gmock.h>
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
-#include <prometheus/registry.h>
-
 #include <atomic>
 #include <chrono>
 #include <future>
@@ -13,6 +8,11 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <prometheus/registry.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/metrics_endpoint.h"

@@ -2,10 +2,6 @@
 // certificates made by openssl (make_test_certs.sh): the right certificates
 // work, and an unknown CA, an expired certificate, a missing client
 // certificate and plaintext are refused.
-#include <ATen/ATen.h>
-#include <gmock/gmock.h>
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -14,6 +10,11 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <ATen/ATen.h>
 
 #include "common/tensor_codec.h"
 #include "expert_service/expert_access.h"

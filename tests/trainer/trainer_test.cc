@@ -1,10 +1,8 @@
 // The core guarantee: training with the experts on 4 expert-group services
 // over real gRPC equals training with them in-process, step by step.
+#include "expert_service/expert_client.h"
 #include "trainer/trainer.h"
 
-#include <ATen/ATen.h>
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -14,11 +12,14 @@
 #include <string>
 #include <vector>
 
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <ATen/ATen.h>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/torch_runtime.h"
-#include "expert_service/expert_client.h"
 #include "model/model_config.h"
 #include "tests/trainer/trainer_test_util.h"
 #include "trainer/expert_backend.h"
