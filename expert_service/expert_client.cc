@@ -229,18 +229,6 @@ absl::StatusOr<v1::ExpertAbortResponse> ExpertGroupClient::Abort(uint64_t step,
   return response;
 }
 
-absl::StatusOr<v1::ExpertInfoResponse> ExpertGroupClient::InfoAt(size_t replica) {
-  if (replica >= stubs_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("replica: ", replica, " of ", stubs_.size()));
-  }
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
-  v1::ExpertInfoResponse response;
-  const grpc::Status status = stubs_[replica]->Info(&context, v1::ExpertInfoRequest(), &response);
-  if (!status.ok()) return Named(status, replica);
-  return response;
-}
-
 absl::StatusOr<v1::BeginRunResponse> ExpertGroupClient::BeginRun(const std::string& run_id,
                                                                  bool take_over) {
   grpc::ClientContext context;

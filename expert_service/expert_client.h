@@ -64,8 +64,6 @@ class ExpertGroupClient {
   absl::StatusOr<v1::ExpertInfoResponse> Info();
   absl::StatusOr<v1::ExpertAbortResponse> Abort(uint64_t step, const std::string& run_id = "");
   absl::StatusOr<v1::BeginRunResponse> BeginRun(const std::string& run_id, bool take_over = false);
-  // Info from replica `replica` only.
-  absl::StatusOr<v1::ExpertInfoResponse> InfoAt(size_t replica);
   // The group's state (ExpertServiceCore::GetState names), streamed in chunks.
   absl::StatusOr<std::vector<NamedTensor>> GetState(bool include_optimizer);
   // Streams `state` in chunks of chunk_bytes; the service applies all of it
