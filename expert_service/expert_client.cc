@@ -13,6 +13,7 @@
 #include "common/countdown.h"
 #include "common/expert_shape.h"
 #include "common/status_macros.h"
+#include "expert_service/expert_rows.h"
 #include "expert_service/state_stream.h"
 #include "proto/grpc_status.h"
 
@@ -69,10 +70,19 @@ void ExpertGroupClient::ForwardAsync(const v1::ExpertForwardRequest* request,
                                      v1::ExpertForwardResponse* response, Done done,
                                      Deadline deadline) {
   auto call = std::make_shared<Call>();
-  call->start = [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
-                                    std::function<void(grpc::Status)> on_status) {
+  call->start = [this, request, response](v1::ExpertService::Stub* stub,
+                                          grpc::ClientContext* context,
+                                          std::function<void(grpc::Status)> on_status) {
     response->Clear();
-    stub->async()->Forward(context, request, response, std::move(on_status));
+    rows_sent_.fetch_add(RowBytes(*request), std::memory_order_relaxed);
+    stub->async()->Forward(context, request, response,
+                           [this, response, on_status = std::move(on_status)](grpc::Status s) {
+                             if (s.ok()) {
+                               rows_received_.fetch_add(RowBytes(*response),
+                                                        std::memory_order_relaxed);
+                             }
+                             on_status(std::move(s));
+                           });
   };
   call->failover = true;
   call->done = std::move(done);
@@ -112,9 +122,17 @@ std::string ExpertGroupClient::pinned_weights(size_t replica) const {
 void ExpertGroupClient::BackwardAsync(const v1::ExpertBackwardRequest* request,
                                       v1::ExpertBackwardResponse* response, Done done) {
   StartCall(
-      [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
-                          std::function<void(grpc::Status)> on_status) {
-        stub->async()->Backward(context, request, response, std::move(on_status));
+      [this, request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
+                                std::function<void(grpc::Status)> on_status) {
+        rows_sent_.fetch_add(RowBytes(*request), std::memory_order_relaxed);
+        stub->async()->Backward(context, request, response,
+                                [this, response, on_status = std::move(on_status)](grpc::Status s) {
+                                  if (s.ok()) {
+                                    rows_received_.fetch_add(RowBytes(*response),
+                                                             std::memory_order_relaxed);
+                                  }
+                                  on_status(std::move(s));
+                                });
       },
       /*failover=*/false, std::move(done));
 }

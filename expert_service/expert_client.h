@@ -97,6 +97,18 @@ class ExpertGroupClient {
   // it (not from inside a `done`: the channels would die on gRPC's thread).
   int calls_in_flight() const { return calls_in_flight_.load(std::memory_order_relaxed); }
 
+  // The bytes of the rows, outputs and gradients (RowBytes) Forward and
+  // Backward sent, attempts included, and received in answers, since
+  // creation: what the calls moved over the link.
+  struct RowTraffic {
+    int64_t sent = 0;
+    int64_t received = 0;
+  };
+  RowTraffic row_traffic() const {
+    return {rows_sent_.load(std::memory_order_relaxed),
+            rows_received_.load(std::memory_order_relaxed)};
+  }
+
   int group_id() const { return options_.group_id; }
   const std::vector<std::string>& addresses() const { return options_.addresses; }
 
@@ -122,6 +134,8 @@ class ExpertGroupClient {
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::ExpertService::Stub>> stubs_;
   std::atomic<int> calls_in_flight_{0};
+  std::atomic<int64_t> rows_sent_{0};
+  std::atomic<int64_t> rows_received_{0};
   mutable std::mutex pins_mu_;
   std::vector<std::string> pins_;  // guarded by pins_mu_; by replica
   WeightsChanged on_weights_changed_;

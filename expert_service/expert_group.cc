@@ -416,6 +416,35 @@ absl::StatusOr<at::Tensor> ExpertGroup::Forward(const at::Tensor& rows,
   return out;
 }
 
+absl::StatusOr<at::Tensor> ExpertGroup::CombinedForward(const at::Tensor& rows,
+                                                        const at::Tensor& assignment_rows,
+                                                        const at::Tensor& expert_ids,
+                                                        const at::Tensor& weights) const {
+  if (assignment_rows.dim() != 1 || !expert_ids.sizes().equals(assignment_rows.sizes()) ||
+      !weights.sizes().equals(assignment_rows.sizes())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert group ", group_id_, ": assignment rows, expert ids and weights must be [n], got [",
+        absl::StrJoin(assignment_rows.sizes(), ", "), "], [",
+        absl::StrJoin(expert_ids.sizes(), ", "), "], [", absl::StrJoin(weights.sizes(), ", "),
+        "]"));
+  }
+  at::Tensor index, gathered;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    index = assignment_rows.to(rows.device(), at::kLong);
+    gathered = rows.index_select(0, index);
+    return absl::OkStatus();
+  }));
+  HIMOE_ASSIGN_OR_RETURN(const at::Tensor y, Forward(gathered, expert_ids));
+  at::Tensor out;
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    const at::Tensor weighted = y.to(at::kFloat) * weights.to(y.device(), at::kFloat).unsqueeze(1);
+    out = at::zeros({rows.size(0), d_model()}, weighted.options())
+              .index_add(0, index.to(y.device()), weighted);
+    return absl::OkStatus();
+  }));
+  return out;
+}
+
 absl::Status ExpertGroup::IdsOutsideGroupError() const {
   return absl::InvalidArgumentError(absl::StrCat("expert group ", group_id_,
                                                  ": expert ids must be in [", first_expert(),

@@ -36,6 +36,16 @@ class ExpertGroup {
   // rows and the parameters.
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& rows,
                                      const at::Tensor& expert_ids) const;
+  // Each row once: `rows` [u, d] and, per assignment, its row
+  // (`assignment_rows`, int64 [n] in [0, u)), expert (`expert_ids`, [n],
+  // ascending) and `weights` (float [n]). Returns float32 [u, d] on the
+  // group's device: a row's sum of weight * expert(row) over its
+  // assignments, in their order. Differentiable w.r.t. the rows, the weights
+  // and the parameters.
+  absl::StatusOr<at::Tensor> CombinedForward(const at::Tensor& rows,
+                                             const at::Tensor& assignment_rows,
+                                             const at::Tensor& expert_ids,
+                                             const at::Tensor& weights) const;
 
   // (name, tensor) of every parameter: "w1" [S, d_ff, d], "b1" [S, d_ff],
   // "w2" [S, d, d_ff], "b2" [S, d].

@@ -1,5 +1,6 @@
 #include "expert_service/expert_rows.h"
 
+#include <cmath>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -18,22 +19,31 @@ bool IsFloatingWireType(c10::ScalarType type) {
   return type == c10::kFloat || type == c10::kBFloat16 || type == c10::kHalf;
 }
 
-// One entry's rows: a floating [n, d_model] tensor (n = expected_rows if >= 0),
-// all finite.
-absl::StatusOr<at::Tensor> DecodeRows(v1::ExpertRows* entry, const std::string& field,
-                                      int64_t d_model, int64_t expected_rows,
-                                      SharedMemoryLookup* shared) {
-  HIMOE_ASSIGN_OR_RETURN(at::Tensor x,
-                         TakeTensor(entry->mutable_rows(), field + ".rows", shared));
+int64_t PayloadBytes(const v1::Tensor& t) {
+  return static_cast<int64_t>(t.data().size() + t.shared().byte_size());
+}
+
+int64_t PayloadBytes(const ExpertRowsList& entries) {
+  int64_t total = 0;
+  for (const v1::ExpertRows& e : entries) total += PayloadBytes(e.rows());
+  return total;
+}
+
+}  // namespace
+
+absl::StatusOr<at::Tensor> DecodeRowTensor(v1::Tensor* proto, const std::string& field,
+                                           int64_t d_model, int64_t expected_rows,
+                                           SharedMemoryLookup* shared) {
+  HIMOE_ASSIGN_OR_RETURN(at::Tensor x, TakeTensor(proto, field, shared));
   if (!IsFloatingWireType(x.scalar_type())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ".rows.dtype: ", c10::toString(x.scalar_type()),
-        " is not a floating type; expected FLOAT32 or BFLOAT16"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".dtype: ", c10::toString(x.scalar_type()),
+                     " is not a floating type; expected FLOAT32 or BFLOAT16"));
   }
   const bool any_rows = expected_rows < 0;
   if (x.dim() != 2 || x.size(1) != d_model || (!any_rows && x.size(0) != expected_rows)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ".rows: expected shape ",
+        field, ": expected shape ",
         any_rows ? absl::StrCat("[n, ", d_model, "] (2-D, d_model=", d_model, ")")
                  : absl::StrCat("[", expected_rows, ", ", d_model, "] (the saved output's)"),
         ", got ", ShapeString(x.sizes())));
@@ -43,13 +53,92 @@ absl::StatusOr<at::Tensor> DecodeRows(v1::ExpertRows* entry, const std::string& 
     finite = AllFinite(x);
     return absl::OkStatus();
   }));
-  if (!finite) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".rows contains NaN or Inf"));
-  }
+  if (!finite) return absl::InvalidArgumentError(absl::StrCat(field, " contains NaN or Inf"));
   return x;
 }
 
-}  // namespace
+absl::StatusOr<DecodedTokens> DecodeTokenAssignments(v1::TokenAssignments* tokens,
+                                                     absl::string_view name, int64_t d_model,
+                                                     int32_t first_expert, int32_t end_expert,
+                                                     SharedMemoryLookup* shared) {
+  const int n = tokens->row_size();
+  if (n == 0 || tokens->expert_id_size() != n || tokens->weight_size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": ", n, " rows, ", tokens->expert_id_size(), " expert ids, ", tokens->weight_size(),
+        " weights; expected one of each per assignment, at least one"));
+  }
+  DecodedTokens out;
+  HIMOE_ASSIGN_OR_RETURN(
+      out.rows,
+      DecodeRowTensor(tokens->mutable_rows(), absl::StrCat(name, ".rows"), d_model, -1, shared));
+  const int64_t u = out.rows.size(0);
+  for (int i = 0; i < n; ++i) {
+    const int32_t row = tokens->row(i), id = tokens->expert_id(i);
+    if (row < 0 || row >= u) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".row[", i, "]: ", row, "; expected a row of rows, in [0, ", u, ")"));
+    }
+    if (id < first_expert || id >= end_expert) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".expert_id[", i, "]: ", id, " is outside this group; expected an ",
+                       "expert id in [", first_expert, ", ", end_expert, ")"));
+    }
+    if (i > 0 && id < tokens->expert_id(i - 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ".expert_id[", i, "]: ", id, " after ",
+                                                     tokens->expert_id(i - 1),
+                                                     "; expected ascending expert ids"));
+    }
+    if (!std::isfinite(tokens->weight(i))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".weight[", i, "]: ", tokens->weight(i), "; expected finite"));
+    }
+  }
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    out.assignment_rows = at::empty({n}, at::kLong);
+    out.expert_ids = at::empty({n}, at::kLong);
+    out.weights = at::empty({n}, at::kFloat);
+    int64_t* rows = out.assignment_rows.data_ptr<int64_t>();
+    int64_t* ids = out.expert_ids.data_ptr<int64_t>();
+    float* weights = out.weights.data_ptr<float>();
+    for (int i = 0; i < n; ++i) {
+      rows[i] = tokens->row(i);
+      ids[i] = tokens->expert_id(i);
+      weights[i] = tokens->weight(i);
+    }
+    return absl::OkStatus();
+  }));
+  return out;
+}
+
+int64_t RowBytes(const v1::ExpertForwardRequest& m) {
+  return PayloadBytes(m.inputs()) + PayloadBytes(m.tokens().rows());
+}
+int64_t RowBytes(const v1::ExpertForwardResponse& m) {
+  return PayloadBytes(m.outputs()) + PayloadBytes(m.combined());
+}
+int64_t RowBytes(const v1::ExpertBackwardRequest& m) {
+  return PayloadBytes(m.output_grads()) + PayloadBytes(m.combined_grad());
+}
+int64_t RowBytes(const v1::ExpertBackwardResponse& m) {
+  return PayloadBytes(m.input_grads()) + PayloadBytes(m.token_grads());
+}
+
+absl::StatusOr<at::Tensor> TakeAnswerRows(v1::Tensor* proto, int64_t rows, int64_t d_model,
+                                          absl::string_view what, SharedMemoryLookup* shared) {
+  const bool aliased = proto->has_shared();
+  HIMOE_ASSIGN_OR_RETURN(at::Tensor y, TakeTensor(proto, what, shared));
+  if (y.dim() != 2 || y.size(0) != rows || y.size(1) != d_model) {
+    return absl::InternalError(
+        absl::StrCat(what, ": ", ShapeString(y.sizes()), "; expected [", rows, ", ", d_model, "]"));
+  }
+  HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+    const bool was_float = y.scalar_type() == at::kFloat;
+    y = y.to(at::kFloat);
+    if (aliased && was_float) y = y.clone();  // the next call writes the region again
+    return absl::OkStatus();
+  }));
+  return y;
+}
 
 std::string ShapeString(at::IntArrayRef shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
@@ -65,7 +154,8 @@ absl::StatusOr<std::vector<at::Tensor>> DecodeRequestRows(
     const std::string field = absl::StrCat(name, "[", i, "]");
     HIMOE_RETURN_IF_ERROR(check_id(i, field, entry->expert_id()));
     const int64_t n = i < static_cast<int>(expected_rows.size()) ? expected_rows[i] : -1;
-    HIMOE_ASSIGN_OR_RETURN(rows[i], DecodeRows(entry, field, d_model, n, shared));
+    HIMOE_ASSIGN_OR_RETURN(
+        rows[i], DecodeRowTensor(entry->mutable_rows(), field + ".rows", d_model, n, shared));
   }
   return rows;
 }

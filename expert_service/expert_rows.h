@@ -42,6 +42,45 @@ absl::StatusOr<std::vector<at::Tensor>> DecodeRequestRows(
     const ExpertIdCheck& check_id, absl::Span<const int64_t> expected_rows = {},
     SharedMemoryLookup* shared = nullptr);
 
+// Decodes one tensor of rows on the service side (`field` names it, e.g.
+// "combined_grad"): a floating wire dtype, shape [n, d_model] (n =
+// expected_rows when >= 0), finite values; takes the bytes like
+// DecodeRequestRows.
+absl::StatusOr<at::Tensor> DecodeRowTensor(v1::Tensor* proto, const std::string& field,
+                                           int64_t d_model, int64_t expected_rows,
+                                           SharedMemoryLookup* shared = nullptr);
+
+// A Forward's TokenAssignments, decoded: the rows, and per assignment its row,
+// expert id (int64) and weight (float32), on the CPU.
+struct DecodedTokens {
+  at::Tensor rows;
+  at::Tensor assignment_rows;
+  at::Tensor expert_ids;
+  at::Tensor weights;
+};
+
+// Service side: decodes and checks `tokens` (named `name`): the rows as
+// DecodeRowTensor, then per assignment a row in [0, u), an expert id in
+// [first_expert, end_expert), ascending, and a finite weight.
+absl::StatusOr<DecodedTokens> DecodeTokenAssignments(v1::TokenAssignments* tokens,
+                                                     absl::string_view name, int64_t d_model,
+                                                     int32_t first_expert, int32_t end_expert,
+                                                     SharedMemoryLookup* shared = nullptr);
+
+// The bytes of a message's rows, outputs or gradients (Tensor payloads,
+// inline or in shared memory); what a call moves, without its framing and
+// the per-assignment ids and weights.
+int64_t RowBytes(const v1::ExpertForwardRequest& message);
+int64_t RowBytes(const v1::ExpertForwardResponse& message);
+int64_t RowBytes(const v1::ExpertBackwardRequest& message);
+int64_t RowBytes(const v1::ExpertBackwardResponse& message);
+
+// Client side: an answer's [rows, d_model] tensor as float32, taking its bytes
+// (copied out of shared memory, which the next call writes again).
+absl::StatusOr<at::Tensor> TakeAnswerRows(v1::Tensor* proto, int64_t rows, int64_t d_model,
+                                          absl::string_view what,
+                                          SharedMemoryLookup* shared = nullptr);
+
 // Where a call's tensors go: at the next aligned offset of a shared-memory
 // slice while they fit, inline after that, and inline without a slice.
 class TensorSink {

@@ -18,6 +18,18 @@
 #include "expert_service/expert_rows.h"
 
 namespace himoe::expert {
+namespace {
+
+// The experts' outputs `y` of rows `x` are finite, or an error saying so.
+absl::Status CheckFiniteOutputs(const at::Tensor& y, const at::Tensor& x, int layer, int group) {
+  if (AllFinite(y)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "layer ", layer, ", group ", group,
+      ": the experts' outputs are not finite (NaN or Inf); the input rows (max |x| = ",
+      x.detach().abs().max().item<double>(), ") or their weights overflow them"));
+}
+
+}  // namespace
 
 ExpertServiceCore::ExpertServiceCore(const ExpertServiceOptions& options,
                                      c10::ScalarType dtype)
@@ -173,12 +185,23 @@ absl::Status ExpertServiceCore::CheckForwardRequest(
     return absl::InvalidArgumentError(absl::StrCat(
         "layer: ", request.layer(), " is not served; layers are [0, ", num_layers(), ")"));
   }
+  const int64_t max_tokens = options_.max_tokens_per_request;
+  if (request.has_tokens()) {
+    if (request.inputs_size() > 0) {
+      return absl::InvalidArgumentError("inputs: set together with tokens; expected one of them");
+    }
+    if (request.tokens().row_size() > max_tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens: ", request.tokens().row_size(),
+                       " assignments exceed max_tokens_per_request=", max_tokens));
+    }
+    return absl::OkStatus();
+  }
   if (request.inputs_size() == 0) {
     return absl::InvalidArgumentError(
-        "inputs: the request is empty; expected at least one ExpertRows");
+        "inputs: the request is empty; expected at least one ExpertRows or tokens");
   }
   // Cheap size check on the declared shapes before decoding anything.
-  const int64_t max_tokens = options_.max_tokens_per_request;
   int64_t declared_rows = 0;
   for (const v1::ExpertRows& in : request.inputs()) {
     if (in.rows().shape_size() != 2 || in.rows().shape(0) < 0) continue;
@@ -199,14 +222,28 @@ absl::Status ExpertServiceCore::ForwardImpl(v1::ExpertForwardRequest* request_pt
   const v1::ExpertForwardRequest& request = *request_ptr;
   response->Clear();
   saved_.SweepExpired();
-  for (const v1::ExpertRows& in : request.inputs()) {
-    bytes_in_.fetch_add(static_cast<int64_t>(in.rows().data().size() +
-                                             in.rows().shared().byte_size()),
-                        std::memory_order_relaxed);
-  }
+  bytes_in_.fetch_add(RowBytes(request), std::memory_order_relaxed);
   HIMOE_RETURN_IF_ERROR(CheckForwardRequest(request));
   const int first = first_expert();
   const int end = first + experts_per_group_;
+  const bool save = request.save_for_backward();
+  const SavedKey key{request.step(), request.micro_batch(), request.layer(), request.request_id()};
+  if (request.has_tokens()) {
+    HIMOE_ASSIGN_OR_RETURN(
+        const DecodedTokens tokens,
+        DecodeTokenAssignments(request_ptr->mutable_tokens(), "tokens", options_.shape.d_model(),
+                               first, end, shared_.get()));
+    if (save) HIMOE_RETURN_IF_ERROR(saved_.CheckUnused(key));
+    SavedForward saved;
+    HIMOE_RETURN_IF_ERROR(ComputeCombined(request, tokens, save ? &saved : nullptr, response));
+    if (save) HIMOE_RETURN_IF_ERROR(saved_.Insert(key, std::move(saved)));
+    for (const int32_t id : request.tokens().expert_id()) {
+      tokens_[request.layer() * experts_per_group_ + id - first].fetch_add(
+          1, std::memory_order_relaxed);
+    }
+    bytes_out_.fetch_add(RowBytes(*response), std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
   HIMOE_ASSIGN_OR_RETURN(
       const std::vector<at::Tensor> rows,
       DecodeRequestRows(request_ptr->mutable_inputs(), "inputs", options_.shape.d_model(),
@@ -225,24 +262,54 @@ absl::Status ExpertServiceCore::ForwardImpl(v1::ExpertForwardRequest* request_pt
         "inputs: the request has no rows; expected at least one row");
   }
 
-  const bool save = request.save_for_backward();
-  const SavedKey key{request.step(), request.micro_batch(), request.layer(),
-                     request.request_id()};
   if (save) HIMOE_RETURN_IF_ERROR(saved_.CheckUnused(key));
   SavedForward saved;
   HIMOE_RETURN_IF_ERROR(ComputeForward(request, rows, save ? &saved : nullptr, response));
   if (save) HIMOE_RETURN_IF_ERROR(saved_.Insert(key, std::move(saved)));
 
-  int64_t out_bytes = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
     const int local = request.inputs(i).expert_id() - first;
-    tokens_[request.layer() * experts_per_group_ + local].fetch_add(
-        rows[i].size(0), std::memory_order_relaxed);
-    const v1::Tensor& out = response->outputs(i).rows();
-    out_bytes += static_cast<int64_t>(out.data().size() + out.shared().byte_size());
+    tokens_[request.layer() * experts_per_group_ + local].fetch_add(rows[i].size(0),
+                                                                    std::memory_order_relaxed);
   }
-  bytes_out_.fetch_add(out_bytes, std::memory_order_relaxed);
+  bytes_out_.fetch_add(RowBytes(*response), std::memory_order_relaxed);
   return absl::OkStatus();
+}
+
+absl::Status ExpertServiceCore::ComputeCombined(const v1::ExpertForwardRequest& request,
+                                                const DecodedTokens& tokens, SavedForward* saved,
+                                                v1::ExpertForwardResponse* response) {
+  const bool save = saved != nullptr;
+  std::shared_lock<std::shared_mutex> lock(state_mutex_);
+  if (save) HIMOE_RETURN_IF_ERROR(CheckRun("Forward", request.step(), request.run_id()));
+  response->set_weights_fingerprint(weights_fingerprint());
+  return CatchTorchErrors([&]() -> absl::Status {
+    at::AutoGradMode grad_mode(save);
+    std::optional<c10::InferenceMode> inference;
+    if (!save) inference.emplace();
+    at::Tensor x = tokens.rows.to(options_.device, dtype_);
+    at::Tensor w = tokens.weights.to(options_.device);
+    if (save) {
+      x = x.detach().requires_grad_(true);
+      w = w.detach().requires_grad_(true);
+    }
+    HIMOE_ASSIGN_OR_RETURN(
+        const at::Tensor y,
+        group(request.layer())->CombinedForward(x, tokens.assignment_rows, tokens.expert_ids, w));
+    HIMOE_RETURN_IF_ERROR(CheckFiniteOutputs(y, x, request.layer(), options_.group_id));
+    if (save) {
+      saved->input = x;
+      saved->output = y;
+      saved->weights = w;
+      saved->weights_version = weights_version_.load(std::memory_order_relaxed);
+      saved->rows.push_back(x.size(0));
+    }
+    HIMOE_ASSIGN_OR_RETURN(
+        TensorSink sink,
+        TensorSink::Create(request.has_output_slice() ? &request.output_slice() : nullptr,
+                           shared_.get(), "output_slice"));
+    return sink.Encode(y.detach().to(tokens.rows.scalar_type()), response->mutable_combined());
+  });
 }
 
 absl::Status ExpertServiceCore::ComputeForward(const v1::ExpertForwardRequest& request,
@@ -273,12 +340,7 @@ absl::Status ExpertServiceCore::ComputeForward(const v1::ExpertForwardRequest& r
     at::Tensor x = at::cat(xs);
     if (save) x = x.detach().requires_grad_(true);
     HIMOE_ASSIGN_OR_RETURN(const at::Tensor y, group(request.layer())->Forward(x, at::cat(ids)));
-    if (!AllFinite(y)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer ", request.layer(), ", group ", options_.group_id,
-          ": the experts' outputs are not finite (NaN or Inf); the input rows (max |x| = ",
-          x.detach().abs().max().item<double>(), ") overflow them"));
-    }
+    HIMOE_RETURN_IF_ERROR(CheckFiniteOutputs(y, x, request.layer(), options_.group_id));
     if (save) {
       saved->input = x;
       saved->output = y;
@@ -335,6 +397,9 @@ absl::Status ExpertServiceCore::Backward(v1::ExpertBackwardRequest* request_ptr,
 absl::Status ExpertServiceCore::BackwardImpl(const SavedKey& key, SavedForward& saved,
                                              v1::ExpertBackwardRequest* request,
                                              v1::ExpertBackwardResponse* response) {
+  if (saved.weights.defined() || request->has_combined_grad()) {
+    return CombinedBackward(key, saved, request, response);
+  }
   const int n = request->output_grads_size();
   if (n != static_cast<int>(saved.expert_ids.size())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -371,6 +436,39 @@ absl::Status ExpertServiceCore::BackwardImpl(const SavedKey& key, SavedForward& 
   });
 }
 
+absl::Status ExpertServiceCore::CombinedBackward(const SavedKey& key, SavedForward& saved,
+                                                 v1::ExpertBackwardRequest* request,
+                                                 v1::ExpertBackwardResponse* response) {
+  if (!saved.weights.defined()) {
+    return absl::InvalidArgumentError(absl::StrCat("combined_grad: set for the saved Forward ",
+                                                   key.DebugString(),
+                                                   ", which was of inputs; expected output_grads"));
+  }
+  if (!request->has_combined_grad() || request->output_grads_size() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "combined_grad: the saved Forward ", key.DebugString(), " was of tokens; expected ",
+        "combined_grad [", saved.rows[0], ", ", options_.shape.d_model(), "] and no output_grads"));
+  }
+  HIMOE_ASSIGN_OR_RETURN(const at::Tensor grad,
+                         DecodeRowTensor(request->mutable_combined_grad(), "combined_grad",
+                                         options_.shape.d_model(), saved.rows[0], shared_.get()));
+  HIMOE_ASSIGN_OR_RETURN(const at::Tensor input_grad, RunBackward(key, saved, {grad}));
+  HIMOE_ASSIGN_OR_RETURN(
+      TensorSink sink,
+      TensorSink::Create(request->has_output_slice() ? &request->output_slice() : nullptr,
+                         shared_.get(), "output_slice"));
+  return CatchTorchErrors([&]() -> absl::Status {
+    HIMOE_RETURN_IF_ERROR(
+        sink.Encode(input_grad.to(grad.scalar_type()), response->mutable_token_grads()));
+    const at::Tensor w_grad = saved.weights.grad().defined()
+                                  ? saved.weights.grad().to(at::kCPU, at::kFloat).contiguous()
+                                  : at::zeros({saved.weights.numel()}, at::kFloat);
+    const float* g = w_grad.data_ptr<float>();
+    response->mutable_weight_grads()->Add(g, g + w_grad.numel());
+    return absl::OkStatus();
+  });
+}
+
 absl::StatusOr<at::Tensor> ExpertServiceCore::RunBackward(const SavedKey& key,
                                                           SavedForward& saved,
                                                           const std::vector<at::Tensor>& grads) {
@@ -378,7 +476,9 @@ absl::StatusOr<at::Tensor> ExpertServiceCore::RunBackward(const SavedKey& key,
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
     std::vector<at::Tensor> gs;
     gs.reserve(grads.size());
-    for (const at::Tensor& g : grads) gs.push_back(g.to(options_.device, dtype_));
+    for (const at::Tensor& g : grads) {
+      gs.push_back(g.to(options_.device, saved.output.scalar_type()));
+    }
     const at::Tensor grad_output = at::cat(gs);
     std::shared_lock<std::shared_mutex> state_lock(state_mutex_);
     if (saved.weights_version != weights_version_.load(std::memory_order_relaxed)) {

@@ -23,6 +23,7 @@
 #include "common/shared_memory.h"
 #include "expert_service/expert_group.h"
 #include "expert_service/expert_optimizer.h"
+#include "expert_service/expert_rows.h"
 #include "expert_service/saved_forward_store.h"
 #include "himoe/v1/expert.pb.h"
 #include "himoe/v1/model.pb.h"
@@ -184,9 +185,18 @@ class ExpertServiceCore {
   absl::Status ComputeForward(const v1::ExpertForwardRequest& request,
                               const std::vector<at::Tensor>& rows, SavedForward* saved,
                               v1::ExpertForwardResponse* response);
+  // As ComputeForward, for a request's TokenAssignments: one combined row
+  // each.
+  absl::Status ComputeCombined(const v1::ExpertForwardRequest& request, const DecodedTokens& tokens,
+                               SavedForward* saved, v1::ExpertForwardResponse* response);
   absl::Status BackwardImpl(const SavedKey& key, SavedForward& saved,
                             v1::ExpertBackwardRequest* request,
                             v1::ExpertBackwardResponse* response);
+  // BackwardImpl for a saved Forward of TokenAssignments (or a request that
+  // sends combined_grad).
+  absl::Status CombinedBackward(const SavedKey& key, SavedForward& saved,
+                                v1::ExpertBackwardRequest* request,
+                                v1::ExpertBackwardResponse* response);
   // dL/d(input) of a saved Forward; accumulates the parameter grads.
   absl::StatusOr<at::Tensor> RunBackward(const SavedKey& key, SavedForward& saved,
                                          const std::vector<at::Tensor>& grads);

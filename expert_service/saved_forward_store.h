@@ -34,6 +34,9 @@ struct SavedForward {
   at::Tensor output;  // [rows, d] with its graph
   std::vector<int32_t> expert_ids;  // per request input
   std::vector<int64_t> rows;        // per request input
+  // A Forward of TokenAssignments: their weights, a leaf requiring grad
+  // (rows then holds the one count of distinct rows, expert_ids nothing).
+  at::Tensor weights;
   uint64_t weights_version = 0;     // the service's weights version at Forward time
   std::chrono::steady_clock::time_point created;
 };

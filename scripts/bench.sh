@@ -8,7 +8,7 @@
 #   scripts/bench.sh generate_remote [scripts/generate_remote_bench.py flags]
 #   scripts/bench.sh serve [himoe-serve-bench flags]
 #   scripts/bench.sh kernels [himoe-kernels-bench flags]
-#   scripts/bench.sh wire [scripts/wire_bench.sh flags]
+#   scripts/bench.sh link [scripts/link_bench.sh flags]
 #
 # train: back to back, on the released code's config (4 layers, d 128, block
 # 128, batch 16, 8 experts in 4 groups, K 4, width 512) and on the main job's
@@ -119,11 +119,12 @@ if [[ "${mode}" == generate_remote ]]; then
   exec /usr/bin/python3 "${ROOT}/scripts/generate_remote_bench.py" --build "${BUILD}" \
     --out "${ROOT}/runs/bench/generate_remote.md" "$@"
 fi
-if [[ "${mode}" == wire ]]; then
-  # wire: training across network namespaces with the coordinator's link
-  # shaped, float32 against bfloat16 on the wire (scripts/wire_bench.sh; root);
-  # writes runs/bench/wire.md.
-  exec bash "${ROOT}/scripts/wire_bench.sh" "$@"
+if [[ "${mode}" == link ]]; then
+  # link: training across network namespaces with the coordinator's link
+  # shaped to several rates, then behind added round-trip times; overlap on
+  # and off, float32 and bfloat16 on the wire, 1 and 2 experts a group
+  # (scripts/link_bench.sh; root); writes runs/bench/link.md.
+  exec bash "${ROOT}/scripts/link_bench.sh" "$@"
 fi
 if [[ "${mode}" == kernels ]]; then
   # kernels: the project's own CPU loops at 1 and 2 threads

@@ -50,23 +50,35 @@ absl::StatusOr<router::MoEOutput> BackendMoE::Forward(int layer, const at::Tenso
       if (turns != nullptr) turns->Pass(Turn::kRoute, layer, call.micro_batch);
       HIMOE_ASSIGN_OR_RETURN(out.routing, std::move(routed));
     }
-    std::vector<at::Tensor> rows, ids;
+    // Each token once per group, whatever the number of its experts there.
+    std::vector<router::GroupDispatch> distinct(out.routing.groups.size());
+    std::vector<GroupRows> groups(out.routing.groups.size());
     {
       HIMOE_PROFILE_SCOPE("dispatch");
-      rows = router::DispatchGroupRows(x, out.routing.groups);
-      for (const router::GroupDispatch& d : out.routing.groups) ids.push_back(d.expert_ids);
+      for (size_t g = 0; g < groups.size(); ++g) {
+        const router::GroupDispatch& d = out.routing.groups[g];
+        router::DistinctTokens once = router::DistinctTokenRows(x.size(0), d);
+        distinct[g].token_rows = once.tokens.to(x.device());
+        distinct[g].weights = at::ones({once.tokens.size(0)}, x.options());
+        groups[g].assignment_rows = std::move(once.rows);
+        groups[g].expert_ids = d.expert_ids;
+        groups[g].weights = d.weights;
+      }
+      std::vector<at::Tensor> rows = router::DispatchGroupRows(x, distinct);
+      for (size_t g = 0; g < groups.size(); ++g) groups[g].rows = std::move(rows[g]);
     }
     std::vector<at::Tensor> outputs;
     {
       HIMOE_PROFILE_SCOPE("experts");
       HIMOE_ASSIGN_OR_RETURN(
-          outputs, experts_->Forward(layer, call.step, call.micro_batch, rows, ids, call.training));
+          outputs, experts_->Forward(layer, call.step, call.micro_batch, groups, call.training));
     }
     HIMOE_PROFILE_SCOPE("combine");
     for (at::Tensor& y : outputs) {
       if (!y.defined()) y = at::zeros({0, d_model_}, x.options());
     }
-    out.output = router::CombineGroupOutputs(x.size(0), d_model_, out.routing.groups, outputs);
+    // The groups' combined rows, each token's summed in group order.
+    out.output = router::CombineGroupOutputs(x.size(0), d_model_, distinct, outputs);
     return absl::OkStatus();
   }));
   return out;

@@ -74,20 +74,22 @@ class InProcessBackend final : public ExpertBackend {
   }
 
   absl::StatusOr<std::vector<at::Tensor>> Forward(int layer, uint64_t, uint32_t,
-                                                  const std::vector<at::Tensor>& rows,
-                                                  const std::vector<at::Tensor>& ids,
+                                                  const std::vector<GroupRows>& groups,
                                                   bool) override {
     // With a bf16 wire, the roundings of the remote path: the rows and the
-    // outputs here, and (autograd's backward of each cast) the output and
-    // input gradients.
+    // combined outputs here, and (autograd's backward of each cast) their
+    // gradients.
     const auto wire = [&](const at::Tensor& t) {
       return wire_dtype_ == at::kFloat ? t : t.to(wire_dtype_).to(at::kFloat);
     };
-    std::vector<at::Tensor> out(rows.size());
-    for (size_t g = 0; g < rows.size(); ++g) {
-      if (rows[g].size(0) == 0) continue;
-      HIMOE_ASSIGN_OR_RETURN(out[g], groups_[g][layer]->Forward(wire(rows[g]), ids[g]));
-      out[g] = wire(out[g].to(at::kFloat));
+    std::vector<at::Tensor> out(groups.size());
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const GroupRows& in = groups[g];
+      if (!in.rows.defined() || in.rows.size(0) == 0) continue;
+      HIMOE_ASSIGN_OR_RETURN(out[g],
+                             groups_[g][layer]->CombinedForward(wire(in.rows), in.assignment_rows,
+                                                                in.expert_ids, in.weights));
+      out[g] = wire(out[g]);
     }
     return out;
   }
@@ -165,7 +167,7 @@ struct RemoteCall {
   uint64_t step = 0;
   uint32_t micro_batch = 0;
   std::vector<int> groups;  // groups that got rows, in order
-  std::vector<at::Tensor> ids;  // their expert ids
+  std::vector<GroupRows> sent;  // their assignments (rows and weights: see below)
   std::vector<v1::ExpertForwardRequest> requests;  // row data dropped after sending
 };
 
@@ -222,19 +224,28 @@ class RemoteBackend final : public ExpertBackend {
     return std::unique_ptr<ExpertBackend>(std::move(b));
   }
 
-  absl::StatusOr<std::vector<at::Tensor>> Forward(int layer, uint64_t step,
-                                                  uint32_t micro_batch,
-                                                  const std::vector<at::Tensor>& rows,
-                                                  const std::vector<at::Tensor>& ids,
+  absl::StatusOr<std::vector<at::Tensor>> Forward(int layer, uint64_t step, uint32_t micro_batch,
+                                                  const std::vector<GroupRows>& groups,
                                                   bool training) override;
 
-  // Sends the saved call's Forward; returns one output per call group.
+  // Sends the call's Forward: call.sent's assignments with `rows` and
+  // `weights` (one per call group); returns each group's combined rows.
   absl::StatusOr<std::vector<at::Tensor>> SendForward(RemoteCall& call,
                                                       const std::vector<at::Tensor>& rows,
-                                                      const std::vector<at::Tensor>& ids,
+                                                      const std::vector<at::Tensor>& weights,
                                                       bool save);
+  // dL/d(rows) per call group, then dL/d(weights) per call group.
   absl::StatusOr<std::vector<at::Tensor>> SendBackward(const RemoteCall& call,
                                                        const std::vector<at::Tensor>& grads);
+
+  std::vector<RowTraffic> Traffic() const override {
+    std::vector<RowTraffic> out;
+    for (const auto& c : clients_) {
+      const auto t = c->row_traffic();
+      out.push_back({t.sent, t.received});
+    }
+    return out;
+  }
 
   absl::StatusOr<double> GradNormSquared() override {
     std::vector<v1::ExpertStepRequest> requests(clients_.size());
@@ -372,10 +383,15 @@ class RemoteBackend final : public ExpertBackend {
 // keep their code (an unreachable group stays UNAVAILABLE) through autograd.
 class RemoteExpertsFunction : public torch::autograd::Function<RemoteExpertsFunction> {
  public:
+  // `rows_then_weights`: each call group's rows, then each one's weights.
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 std::shared_ptr<RemoteCall> call,
-                                                at::TensorList rows) {
-    auto outputs = call->backend->SendForward(*call, rows.vec(), call->ids, /*save=*/true);
+                                                at::TensorList rows_then_weights) {
+    const size_t n = call->groups.size();
+    const std::vector<at::Tensor> all = rows_then_weights.vec();
+    auto outputs = call->backend->SendForward(
+        *call, std::vector<at::Tensor>(all.begin(), all.begin() + n),
+        std::vector<at::Tensor>(all.begin() + n, all.end()), /*save=*/true);
     if (!outputs.ok()) throw StatusException(outputs.status());
     ctx->saved_data["backend"] = reinterpret_cast<int64_t>(call->backend);
     ctx->saved_data["handle"] = static_cast<int64_t>(call->backend->Register(call));
@@ -409,39 +425,46 @@ class RemoteExpertsFunction : public torch::autograd::Function<RemoteExpertsFunc
   }
 };
 
-absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::Forward(
-    int layer, uint64_t step, uint32_t micro_batch, const std::vector<at::Tensor>& rows,
-    const std::vector<at::Tensor>& ids, bool training) {
+absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::Forward(int layer, uint64_t step,
+                                                               uint32_t micro_batch,
+                                                               const std::vector<GroupRows>& groups,
+                                                               bool training) {
   auto call = std::make_shared<RemoteCall>();
   call->backend = this;
   call->layer = layer;
   call->step = step;
   call->micro_batch = micro_batch;
-  std::vector<at::Tensor> sent_rows;
-  for (size_t g = 0; g < rows.size(); ++g) {
-    if (rows[g].size(0) == 0) continue;
+  std::vector<at::Tensor> rows, weights;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (!groups[g].rows.defined() || groups[g].rows.size(0) == 0) continue;
     call->groups.push_back(static_cast<int>(g));
-    sent_rows.push_back(rows[g]);
-    call->ids.push_back(ids[g]);
+    GroupRows kept;
+    kept.assignment_rows = groups[g].assignment_rows;
+    kept.expert_ids = groups[g].expert_ids;
+    call->sent.push_back(std::move(kept));
+    rows.push_back(groups[g].rows);
+    weights.push_back(groups[g].weights);
   }
   std::vector<at::Tensor> outputs;
   if (!training) {
     at::NoGradGuard no_grad;
-    HIMOE_ASSIGN_OR_RETURN(outputs, SendForward(*call, sent_rows, call->ids, /*save=*/false));
+    HIMOE_ASSIGN_OR_RETURN(outputs, SendForward(*call, rows, weights, /*save=*/false));
   } else {
     HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
-      // As a TensorList, so that autograd sees the rows as inputs.
-      outputs = RemoteExpertsFunction::apply(call, at::TensorList(sent_rows));
+      std::vector<at::Tensor> inputs = rows;
+      inputs.insert(inputs.end(), weights.begin(), weights.end());
+      // As a TensorList, so that autograd sees the rows and weights as inputs.
+      outputs = RemoteExpertsFunction::apply(call, at::TensorList(inputs));
       return absl::OkStatus();
     }));
   }
-  std::vector<at::Tensor> by_group(rows.size());
+  std::vector<at::Tensor> by_group(groups.size());
   for (size_t i = 0; i < call->groups.size(); ++i) by_group[call->groups[i]] = outputs[i];
   return by_group;
 }
 
 absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
-    RemoteCall& call, const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& ids,
+    RemoteCall& call, const std::vector<at::Tensor>& rows, const std::vector<at::Tensor>& weights,
     bool save) {
   const size_t n = call.groups.size();
   call.requests.assign(n, v1::ExpertForwardRequest());
@@ -457,17 +480,24 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
       r.set_request_id(next_request_id_.fetch_add(1));
       r.set_save_for_backward(save);
       if (save) r.set_run_id(options_.run_id);
-      const at::Tensor cpu_ids = ids[i].to(at::kCPU).contiguous();
-      const std::vector<int64_t> experts(cpu_ids.data_ptr<int64_t>(),
-                                         cpu_ids.data_ptr<int64_t>() + cpu_ids.numel());
+      v1::TokenAssignments* tokens = r.mutable_tokens();
+      const at::Tensor a_rows = call.sent[i].assignment_rows.to(at::kCPU, at::kLong).contiguous();
+      const at::Tensor ids = call.sent[i].expert_ids.to(at::kCPU, at::kLong).contiguous();
+      const at::Tensor w = weights[i].detach().to(at::kCPU, at::kFloat).contiguous();
+      const int64_t assignments = a_rows.numel();
+      tokens->mutable_row()->Reserve(assignments);
+      tokens->mutable_expert_id()->Reserve(assignments);
+      for (int64_t a = 0; a < assignments; ++a) {
+        tokens->add_row(static_cast<int32_t>(a_rows.data_ptr<int64_t>()[a]));
+        tokens->add_expert_id(static_cast<int32_t>(ids.data_ptr<int64_t>()[a]));
+      }
+      tokens->mutable_weight()->Add(w.data_ptr<float>(), w.data_ptr<float>() + assignments);
       const at::Tensor wire = rows[i].detach().to(options_.wire_dtype).contiguous();
-      const int64_t row_bytes = wire.size(1) * wire.element_size();
-      leases[i] = LeaseRegion(call.groups[i],
-                              expert::SharedBytesFor(
-                                  expert::RunLengths(experts, 0, experts.size()), row_bytes));
+      leases[i] =
+          LeaseRegion(call.groups[i],
+                      expert::SharedBytesFor({wire.size(0)}, wire.size(1) * wire.element_size()));
       expert::TensorSink sink(leases[i].region());
-      HIMOE_RETURN_IF_ERROR(expert::AppendExpertRuns(wire, experts, 0, rows[i].size(0),
-                                                     r.mutable_inputs(), &sink));
+      HIMOE_RETURN_IF_ERROR(sink.Encode(wire, tokens->mutable_rows()));
       sink.NameRest(&r);
     }
   }
@@ -483,16 +513,18 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
   std::vector<at::Tensor> outputs;
   for (size_t i = 0; i < n; ++i) {
     OwnSharedMemory own(leases[i].region());
+    v1::TokenAssignments* tokens = call.requests[i].mutable_tokens();
     HIMOE_ASSIGN_OR_RETURN(
         at::Tensor y,
-        expert::ConcatExpertRows(responses[i].mutable_outputs(), call.requests[i].inputs(),
-                                 d_model(), absl::StrCat("expert group ", call.groups[i]), &own));
+        expert::TakeAnswerRows(responses[i].mutable_combined(), tokens->rows().shape(0), d_model(),
+                               absl::StrCat("expert group ", call.groups[i]), &own));
     outputs.push_back(std::move(y));  // float32, whatever the wire's dtype
-    // Backward needs only the run structure: drop the row bytes.
-    for (auto& in : *call.requests[i].mutable_inputs()) {
-      in.mutable_rows()->clear_data();
-      in.mutable_rows()->clear_shared();
-    }
+    // Backward needs only the row count: drop the bytes and the assignments.
+    tokens->mutable_rows()->clear_data();
+    tokens->mutable_rows()->clear_shared();
+    tokens->clear_row();
+    tokens->clear_expert_id();
+    tokens->clear_weight();
     call.requests[i].clear_output_slice();
   }
   for (expert::RegionLease& lease : leases) lease.Succeeded();
@@ -516,22 +548,12 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
       r.set_micro_batch(f.micro_batch());
       r.set_request_id(f.request_id());
       r.set_run_id(f.run_id());
+      const int64_t u = f.tokens().rows().shape(0);
       const at::Tensor g = grads[i].defined() ? grads[i].to(options_.wire_dtype).contiguous()
-                                              : at::Tensor();
-      std::vector<int64_t> run_rows;
-      for (const v1::ExpertRows& in : f.inputs()) run_rows.push_back(in.rows().shape(0));
-      leases[i] = LeaseRegion(call.groups[i], expert::SharedBytesFor(run_rows, row_bytes));
+                                              : at::zeros({u, d_model()}, options_.wire_dtype);
+      leases[i] = LeaseRegion(call.groups[i], expert::SharedBytesFor({u}, row_bytes));
       expert::TensorSink sink(leases[i].region());
-      int64_t row = 0;
-      for (size_t k = 0; k < run_rows.size(); ++k) {
-        v1::ExpertRows* out = r.add_output_grads();
-        out->set_expert_id(f.inputs(static_cast<int>(k)).expert_id());
-        const at::Tensor part =
-            g.defined() ? g.slice(0, row, row + run_rows[k])
-                        : at::zeros({run_rows[k], d_model()}, options_.wire_dtype);
-        HIMOE_RETURN_IF_ERROR(sink.Encode(part, out->mutable_rows()));
-        row += run_rows[k];
-      }
+      HIMOE_RETURN_IF_ERROR(sink.Encode(g, r.mutable_combined_grad()));
       sink.NameRest(&r);
     }
   }
@@ -544,19 +566,26 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
     }));
   }
   HIMOE_PROFILE_SCOPE("expert RPC: decode");
-  std::vector<at::Tensor> input_grads;
+  std::vector<at::Tensor> row_grads, weight_grads;
   for (size_t i = 0; i < n; ++i) {
     OwnSharedMemory own(leases[i].region());
-    HIMOE_ASSIGN_OR_RETURN(at::Tensor g, expert::ConcatExpertRows(
-                                             responses[i].mutable_input_grads(),
-                                             call.requests[i].inputs(), d_model(),
-                                             absl::StrCat("expert group ", call.groups[i],
-                                                          " grads"),
-                                             &own));
-    input_grads.push_back(std::move(g));  // float32, whatever the wire's dtype
+    const std::string what = absl::StrCat("expert group ", call.groups[i], " grads");
+    HIMOE_ASSIGN_OR_RETURN(
+        at::Tensor g,
+        expert::TakeAnswerRows(responses[i].mutable_token_grads(),
+                               call.requests[i].tokens().rows().shape(0), d_model(), what, &own));
+    row_grads.push_back(std::move(g));  // float32, whatever the wire's dtype
+    const auto& wg = responses[i].weight_grads();
+    const int64_t assignments = call.sent[i].assignment_rows.numel();
+    if (wg.size() != assignments) {
+      return absl::InternalError(absl::StrCat(what, ": ", wg.size(), " weight gradients for ",
+                                              assignments, " assignments"));
+    }
+    weight_grads.push_back(at::tensor(std::vector<float>(wg.begin(), wg.end()), at::kFloat));
   }
   for (expert::RegionLease& lease : leases) lease.Succeeded();
-  return input_grads;
+  row_grads.insert(row_grads.end(), weight_grads.begin(), weight_grads.end());
+  return row_grads;
 }
 
 }  // namespace

@@ -28,17 +28,38 @@ struct AdamWHyper {
   double eps = 1e-8;
 };
 
+// One group's share of an MoE layer with each token once
+// (router::DistinctTokenRows), whatever the number of its experts chosen.
+struct GroupRows {
+  at::Tensor rows;             // float [u, d]: the distinct token rows
+  at::Tensor assignment_rows;  // int64 [n]: each assignment's row of `rows`
+  at::Tensor expert_ids;       // int64 [n]: ascending, all in the group
+  at::Tensor weights;          // float [n]: the assignments' combine weights
+};
+
+// Bytes of rows, outputs and gradients that went to and came from one group.
+struct RowTraffic {
+  int64_t sent = 0;
+  int64_t received = 0;
+};
+
 // Where a model's experts live. "layer" counts MoE layers only. Every group
 // holds experts [g*S, (g+1)*S) of every MoE layer.
 class ExpertBackend {
  public:
   virtual ~ExpertBackend() = default;
 
-  // Experts of `layer` on each group's rows ([n_g, d], expert ids [n_g],
-  // sorted by expert). Differentiable w.r.t. the rows when `training`.
-  virtual absl::StatusOr<std::vector<at::Tensor>> Forward(
-      int layer, uint64_t step, uint32_t micro_batch, const std::vector<at::Tensor>& rows,
-      const std::vector<at::Tensor>& expert_ids, bool training) = 0;
+  // Experts of `layer` on each group's rows: per group, float [u_g, d], each
+  // row's sum over its assignments of weight * expert(row) (undefined for a
+  // group without rows). Differentiable w.r.t. the rows and the weights when
+  // `training`.
+  virtual absl::StatusOr<std::vector<at::Tensor>> Forward(int layer, uint64_t step,
+                                                          uint32_t micro_batch,
+                                                          const std::vector<GroupRows>& groups,
+                                                          bool training) = 0;
+  // Per group, what crossed the link since creation (remote groups only;
+  // empty in process).
+  virtual std::vector<RowTraffic> Traffic() const { return {}; }
   // Sum over every expert shard of ||grad||^2.
   virtual absl::StatusOr<double> GradNormSquared() = 0;
   // AdamW on every shard with the gradients scaled by `grad_scale` (the global

@@ -168,6 +168,15 @@ void RunLog::OnStep(const StepResult& s) {
                      {"gflops", Sig6(s.gflops())},
                      {"layers", std::move(layers)}};
   if (s.machine_gflops > 0) line["mfu"] = Sig6(s.mfu());
+  if (!s.traffic.empty()) {
+    int64_t sent = 0, received = 0;
+    for (const RowTraffic& t : s.traffic) {
+      sent += t.sent;
+      received += t.received;
+    }
+    line["row_bytes_sent"] = sent;
+    line["row_bytes_received"] = received;
+  }
   WriteLine(line.dump());
 }
 

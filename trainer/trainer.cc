@@ -281,6 +281,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
   r.step = step_ + 1;
   r.lr = CosineLearningRate(options_, step_);
   const double accum = options_.grad_accum;
+  const std::vector<RowTraffic> traffic_before = experts_->Traffic();
   // Route() moves the routers' state in training (the EMA, the controller,
   // loss_free's counts): a step that fails puts it back, so that it applies
   // nothing (the batches it drew stay drawn).
@@ -360,6 +361,11 @@ absl::StatusOr<StepResult> Trainer::Step() {
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.flops = flops_per_token_ * static_cast<double>(r.tokens);
   r.machine_gflops = options_.machine_gflops;
+  r.traffic = experts_->Traffic();
+  for (size_t g = 0; g < r.traffic.size() && g < traffic_before.size(); ++g) {
+    r.traffic[g].sent -= traffic_before[g].sent;
+    r.traffic[g].received -= traffic_before[g].received;
+  }
   return r;
 }
 

@@ -101,6 +101,9 @@ struct StepResult {
   double flops = 0;           // model FLOPs: tokens x TrainingFlopsPerToken
   double machine_gflops = 0;  // TrainerOptions::machine_gflops
   std::vector<router::RoutingStats> layers;  // per MoE layer, last micro-batch
+  // Remote experts: per group, the bytes of rows, outputs and gradients the
+  // step sent and received (ExpertBackend::Traffic); empty in process.
+  std::vector<RowTraffic> traffic;
 
   double gflops() const { return seconds > 0 ? flops / seconds / 1e9 : 0; }
   // Model FLOPs utilisation: achieved over the machine's GEMM rate; 0 when

@@ -117,8 +117,18 @@ TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_
                          .Help("Tokens trained on")
                          .Register(r)
                          .Add({});
+  auto& row_bytes = prometheus::BuildCounter()
+                        .Name("himoe_trainer_expert_row_bytes_total")
+                        .Help(
+                            "Bytes of rows, outputs and gradients sent to (direction=\"sent\") "
+                            "and received from each expert group by Forward and Backward, as "
+                            "the transport moved them (tensor payloads)")
+                        .Register(r);
   // Create the RPC series up front so dashboards see them before traffic.
   for (int g = 0; g < num_groups; ++g) {
+    row_bytes_.push_back(
+        {&row_bytes.Add({{"group", std::to_string(g)}, {"direction", "sent"}}),
+         &row_bytes.Add({{"group", std::to_string(g)}, {"direction", "received"}})});
     for (const char* rpc : {"Forward", "Backward", "Step"}) {
       rpc_.Add({{"group", std::to_string(g)}, {"rpc", rpc}}, SecondsBuckets());
     }
@@ -167,6 +177,10 @@ void TrainerMetrics::OnStep(const StepResult& s) {
   grad_norm_->Set(s.grad_norm);
   step_seconds_->Observe(s.seconds);
   trained_tokens_->Increment(static_cast<double>(s.tokens));
+  for (size_t g = 0; g < s.traffic.size() && g < row_bytes_.size(); ++g) {
+    row_bytes_[g].first->Increment(static_cast<double>(s.traffic[g].sent));
+    row_bytes_[g].second->Increment(static_cast<double>(s.traffic[g].received));
+  }
 }
 
 void TrainerMetrics::OnEval(const EvalResult& eval) {

@@ -2,6 +2,7 @@
 #define HIMOE_TRAINER_TRAINER_METRICS_H_
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <prometheus/counter.h>
@@ -44,6 +45,8 @@ class TrainerMetrics {
   prometheus::Gauge *model_gflops_, *mfu_, *machine_gflops_;
   prometheus::Histogram* step_seconds_;
   prometheus::Counter* trained_tokens_;
+  // Per group: row bytes sent, received.
+  std::vector<std::pair<prometheus::Counter*, prometheus::Counter*>> row_bytes_;
 };
 
 }  // namespace himoe::trainer

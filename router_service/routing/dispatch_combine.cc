@@ -305,4 +305,29 @@ at::Tensor CombineGroupOutputs(int64_t num_tokens, int64_t d_model,
   return out;
 }
 
+DistinctTokens DistinctTokenRows(int64_t num_tokens, const GroupDispatch& d) {
+  const at::Tensor token_rows = d.token_rows.to(at::kCPU, at::kLong).contiguous();
+  const int64_t n = token_rows.numel();
+  const int64_t* token = token_rows.data_ptr<int64_t>();
+  std::vector<int64_t> place(num_tokens, -1);
+  for (int64_t a = 0; a < n; ++a) place[token[a]] = 0;
+  DistinctTokens out;
+  int64_t u = 0;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (place[t] == 0) ++u;
+  }
+  out.tokens = at::empty({u}, at::kLong);
+  int64_t* tokens = out.tokens.data_ptr<int64_t>();
+  u = 0;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (place[t] < 0) continue;
+    tokens[u] = t;
+    place[t] = u++;
+  }
+  out.rows = at::empty({n}, at::kLong);
+  int64_t* rows = out.rows.data_ptr<int64_t>();
+  for (int64_t a = 0; a < n; ++a) rows[a] = place[token[a]];
+  return out;
+}
+
 }  // namespace himoe::router

@@ -30,6 +30,16 @@ at::Tensor CombineGroupOutputs(int64_t num_tokens, int64_t d_model,
                                const std::vector<GroupDispatch>& groups,
                                const std::vector<at::Tensor>& outputs);
 
+// A group's assignments with each token once: `tokens` (int64 [u],
+// ascending) are the distinct rows of the layer input among d.token_rows,
+// and `rows` (int64 [n]) is each assignment's index into `tokens`, so that
+// d.token_rows == tokens[rows]. On the CPU.
+struct DistinctTokens {
+  at::Tensor tokens;
+  at::Tensor rows;
+};
+DistinctTokens DistinctTokenRows(int64_t num_tokens, const GroupDispatch& d);
+
 }  // namespace himoe::router
 
 #endif  // HIMOE_ROUTER_SERVICE_ROUTING_DISPATCH_COMBINE_H_

@@ -418,7 +418,7 @@ TEST_F(ExpertServiceTest, BadInputsAreInvalidArgumentAndServerKeepsServing) {
          *r->mutable_inputs(0)->mutable_rows() = Encode(at::full({2, kD}, 3e38));
        },
        "layer 1, group 1: the experts' outputs are not finite (NaN or Inf); the input rows "
-       "(max |x| = 3e+38) overflow them"},
+       "(max |x| = 3e+38) or their weights overflow them"},
       {"empty batch", [](v1::ExpertForwardRequest* r) { r->clear_inputs(); },
        "inputs: the request is empty"},
       {"zero rows",

@@ -474,6 +474,144 @@ TEST(ExpertTrainingCoreTest, BackwardMatchesLocalAutograd) {
   EXPECT_NEAR(CoreGradNormSquared(core.get()), want_norm, 1e-6 * want_norm);
 }
 
+// A Forward of TokenAssignments: rows 0, 3, 1, 0, 4 of 5 go to experts 2, 2,
+// 3, 3, 3 (row 0 to both, row 2 to none).
+struct Assigned {
+  at::Tensor rows = at::randn({5, kD});
+  std::vector<int32_t> row = {0, 3, 1, 0, 4};
+  std::vector<int32_t> expert = {2, 2, 3, 3, 3};
+  std::vector<float> weight = {0.7f, -0.4f, 1.3f, 0.2f, 0.9f};
+};
+
+v1::ExpertForwardRequest TokensRequest(const Key& key, const Assigned& a, bool save = true) {
+  v1::ExpertForwardRequest r = ForwardRequest(key, {}, save);
+  v1::TokenAssignments* t = r.mutable_tokens();
+  *t->mutable_rows() = Encode(a.rows);
+  t->mutable_row()->Add(a.row.begin(), a.row.end());
+  t->mutable_expert_id()->Add(a.expert.begin(), a.expert.end());
+  t->mutable_weight()->Add(a.weight.begin(), a.weight.end());
+  return r;
+}
+
+// The combined rows against a row-by-row oracle: each assignment its own
+// local Forward of one row, summed by hand; the input gradients by autograd
+// through that oracle, the weight gradients by the hand formula
+// dL/dw_a = <dL/d(combined)[row_a], expert_a(row_a)>.
+TEST(ExpertTrainingCoreTest, TokensAreComputedOnceEachAndCombinedPerRow) {
+  auto core = MakeCore();
+  const Key key{1, 0, 1, 4};
+  const Assigned a;
+  v1::ExpertForwardResponse forward;
+  ASSERT_TRUE(core->Forward(TokensRequest(key, a), &forward).ok());
+  EXPECT_EQ(forward.outputs_size(), 0);
+  const at::Tensor combined = Decode(forward.combined());
+  ASSERT_EQ(combined.sizes(), (std::vector<int64_t>{5, kD}));
+
+  const auto local = LocalGroup(1);
+  const at::Tensor x = a.rows.clone().requires_grad_(true);
+  std::vector<at::Tensor> per_assignment;
+  at::Tensor want = at::zeros({5, kD});
+  for (size_t i = 0; i < a.row.size(); ++i) {
+    auto y = local->Forward(x.narrow(0, a.row[i], 1), at::full({1}, a.expert[i], at::kLong));
+    ASSERT_TRUE(y.ok()) << y.status();
+    per_assignment.push_back(*y);
+    want = want.index_add(0, at::full({1}, a.row[i], at::kLong), *y * a.weight[i]);
+  }
+  EXPECT_LE(MaxAbsDiff(combined, want.detach()), SumOrderTolerance(want.detach()));
+  EXPECT_EQ(at::count_nonzero(combined[2]).item<int64_t>(), 0);  // row 2: no expert
+
+  const at::Tensor grad = at::randn({5, kD});
+  v1::ExpertBackwardRequest request = BackwardRequest(key, {}, {});
+  *request.mutable_combined_grad() = Encode(grad);
+  v1::ExpertBackwardResponse backward;
+  const absl::Status b = core->Backward(request, &backward);
+  ASSERT_TRUE(b.ok()) << b;
+  ASSERT_TRUE(core->RunPendingWeightGrads().ok());
+  torch::autograd::backward({want}, {grad});
+  const at::Tensor token_grads = Decode(backward.token_grads());
+  EXPECT_LE(MaxAbsDiff(token_grads, x.grad()), SumOrderTolerance(x.grad()));
+  ASSERT_EQ(backward.weight_grads_size(), 5);
+  for (size_t i = 0; i < a.row.size(); ++i) {
+    const double hand = (grad[a.row[i]] * per_assignment[i].detach()[0]).sum().item<double>();
+    EXPECT_NEAR(backward.weight_grads(i), hand, 1e-5 * std::max(1.0, std::abs(hand))) << i;
+  }
+  const auto core_params = core->group(1)->named_parameters();
+  const auto local_params = local->named_parameters();
+  for (size_t i = 0; i < core_params.size(); ++i) {
+    const at::Tensor& want_grad = local_params[i].second.grad();
+    EXPECT_LE(MaxAbsDiff(core_params[i].second.grad(), want_grad), SumOrderTolerance(want_grad))
+        << core_params[i].first;
+  }
+  // The service counted assignments per expert, once each.
+  const ExpertServiceCounters counters = core->counters();
+  EXPECT_EQ(counters.tokens_per_layer_expert[1], (std::vector<int64_t>{2, 3}));
+}
+
+TEST(ExpertTrainingCoreTest, BadTokenAssignmentsAreRefusedNamingTheField) {
+  auto core = MakeCore();
+  const Assigned a;
+  const struct {
+    std::string name;
+    std::function<void(v1::ExpertForwardRequest*)> mutate;
+    std::string message;
+  } cases[] = {
+      {"row outside", [](v1::ExpertForwardRequest* r) { r->mutable_tokens()->set_row(1, 5); },
+       "tokens.row[1]: 5; expected a row of rows, in [0, 5)"},
+      {"expert outside",
+       [](v1::ExpertForwardRequest* r) { r->mutable_tokens()->set_expert_id(4, 4); },
+       "tokens.expert_id[4]: 4 is outside this group; expected an expert id in [2, 4)"},
+      {"descending", [](v1::ExpertForwardRequest* r) { r->mutable_tokens()->set_expert_id(0, 3); },
+       "tokens.expert_id[1]: 2 after 3; expected ascending expert ids"},
+      {"lengths",
+       [](v1::ExpertForwardRequest* r) { r->mutable_tokens()->mutable_weight()->RemoveLast(); },
+       "tokens: 5 rows, 5 expert ids, 4 weights; expected one of each per assignment"},
+      {"weight",
+       [](v1::ExpertForwardRequest* r) {
+         r->mutable_tokens()->set_weight(2, std::numeric_limits<float>::infinity());
+       },
+       "tokens.weight[2]: inf; expected finite"},
+      {"shape",
+       [](v1::ExpertForwardRequest* r) {
+         *r->mutable_tokens()->mutable_rows() = Encode(at::randn({5, kD + 1}));
+       },
+       "tokens.rows: expected shape [n, 8]"},
+      {"both forms",
+       [](v1::ExpertForwardRequest* r) {
+         v1::ExpertRows* in = r->add_inputs();
+         in->set_expert_id(2);
+         *in->mutable_rows() = Encode(at::randn({1, kD}));
+       },
+       "inputs: set together with tokens; expected one of them"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    v1::ExpertForwardRequest request = TokensRequest(Key{1, 0, 1, 7}, a);
+    c.mutate(&request);
+    v1::ExpertForwardResponse response;
+    const absl::Status s = core->Forward(request, &response);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.message));
+  }
+  EXPECT_EQ(core->pending_saved(), 0);
+
+  // A Backward in the other form than its Forward; each frees the state.
+  v1::ExpertForwardResponse forward;
+  ASSERT_TRUE(core->Forward(TokensRequest(Key{1, 0, 1, 8}, a), &forward).ok());
+  const Inputs inputs = RandomInputs({{2, 2}});
+  v1::ExpertBackwardResponse response;
+  absl::Status s =
+      core->Backward(BackwardRequest(Key{1, 0, 1, 8}, inputs, RandomGrads(inputs)), &response);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("was of tokens; expected combined_grad [5, 8]"));
+  ASSERT_TRUE(core->Forward(ForwardRequest(Key{1, 0, 1, 9}, inputs), &forward).ok());
+  v1::ExpertBackwardRequest combined = BackwardRequest(Key{1, 0, 1, 9}, {}, {});
+  *combined.mutable_combined_grad() = Encode(at::randn({2, kD}));
+  s = core->Backward(combined, &response);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("which was of inputs; expected output_grads"));
+  EXPECT_EQ(core->pending_saved(), 0);
+}
+
 // The forms the gRPC service calls take the rows' bytes instead of copying
 // them (TakeTensor): the request's payloads are empty afterwards, and the
 // saved Forward, which held them, still differentiates after the request is

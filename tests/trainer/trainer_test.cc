@@ -83,14 +83,27 @@ std::map<std::string, at::Tensor> AllParameters(Trainer& t) {
   return out;
 }
 
-// A method, and whether the balance controller runs (target expert CV).
-using EquivalenceParam = std::pair<router::RoutingMethod, double>;
+// A method, whether the balance controller runs (target expert CV > 0), and
+// the experts chosen per group (k; 2 of 4 per group sends each token once
+// for two experts).
+struct EquivalenceParam {
+  router::RoutingMethod method;
+  double target_cv = 0;
+  int per_group = 1;
+};
+
+// 16 experts in 4 groups, k = 2 per group (K = 8 for flat methods).
+void TwoExpertsPerGroup(TrainerOptions& o) {
+  o.model.routing.num_experts = 16;
+  o.model.routing.top_k = 2;
+}
 
 class EquivalenceTest : public ::testing::TestWithParam<EquivalenceParam> {};
 
 TEST_P(EquivalenceTest, RemoteGroupsTrainExactlyLikeInProcess) {
-  TrainerOptions local = SmallOptions(GetParam().first);
-  local.model.routing.target_expert_cv = GetParam().second;
+  TrainerOptions local = SmallOptions(GetParam().method);
+  local.model.routing.target_expert_cv = GetParam().target_cv;
+  if (GetParam().per_group == 2) TwoExpertsPerGroup(local);
   ExpertCluster cluster(local);
   TrainerOptions remote = local;
   remote.remote_experts = true;
@@ -130,16 +143,63 @@ TEST_P(EquivalenceTest, RemoteGroupsTrainExactlyLikeInProcess) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Methods, EquivalenceTest,
-    ::testing::Values(EquivalenceParam{router::RoutingMethod::kHiMoe, 0},
-                      EquivalenceParam{router::RoutingMethod::kVanilla, 0},
-                      EquivalenceParam{router::RoutingMethod::kLossFree, 0},
-                      EquivalenceParam{router::RoutingMethod::kHiMoe, 0.1}),
-    [](const auto& info) {
-      return std::string(router::RoutingMethodName(info.param.first)) +
-             (info.param.second > 0 ? "_controller" : "");
-    });
+INSTANTIATE_TEST_SUITE_P(Methods, EquivalenceTest,
+                         ::testing::Values(EquivalenceParam{router::RoutingMethod::kHiMoe},
+                                           EquivalenceParam{router::RoutingMethod::kVanilla},
+                                           EquivalenceParam{router::RoutingMethod::kLossFree},
+                                           EquivalenceParam{router::RoutingMethod::kHiMoe, 0.1},
+                                           EquivalenceParam{router::RoutingMethod::kHiMoe, 0, 2},
+                                           EquivalenceParam{router::RoutingMethod::kVanilla, 0, 2}),
+                         [](const auto& info) {
+                           return std::string(router::RoutingMethodName(info.param.method)) +
+                                  (info.param.target_cv > 0 ? "_controller" : "") +
+                                  (info.param.per_group == 2 ? "_2_per_group" : "");
+                         });
+
+// Each token's row crosses the link once per group it is routed to, however
+// many of that group's experts it chose: a step moves, each way and for
+// Forward and Backward alike, tokens x distinct groups per token x d_model x
+// the wire's bytes per element, as the transport counted it. The distinct
+// groups per token come from the routers' own statistics.
+TEST(RemoteTrainingTest, EachRowCrossesTheLinkOncePerGroup) {
+  for (const auto& [method, wire] : {std::pair{router::RoutingMethod::kHiMoe, c10::kFloat},
+                                     std::pair{router::RoutingMethod::kVanilla, c10::kBFloat16}}) {
+    SCOPED_TRACE(router::RoutingMethodName(method));
+    TrainerOptions o = SmallOptions(method);
+    TwoExpertsPerGroup(o);
+    o.grad_accum = 1;  // the step's statistics are its one micro-batch's
+    o.wire_dtype = wire;
+    ExpertCluster cluster(o);
+    o.remote_experts = true;
+    o.expert_addresses = cluster.addresses();
+    auto t = Trainer::Create(o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (int step = 0; step < 2; ++step) {
+      auto r = (*t)->Step();
+      ASSERT_TRUE(r.ok()) << r.status();
+      double rows = 0;  // sum over MoE layers of tokens x distinct groups per token
+      double assignments = 0;
+      for (const router::RoutingStats& layer : r->layers) {
+        rows += layer.tokens * layer.groups_per_token;
+        for (const double c : layer.expert_counts) assignments += c;
+      }
+      ASSERT_EQ(r->layers.size(), 2u);
+      const int64_t distinct = std::llround(rows);
+      EXPECT_NEAR(rows, distinct, 1e-6);
+      // Two experts of a group share many tokens: fewer rows than assignments.
+      EXPECT_LT(distinct, assignments);
+      const int64_t want = 2 * distinct * o.model.d_model * c10::elementSize(wire);
+      ASSERT_EQ(r->traffic.size(), static_cast<size_t>(kGroups));
+      int64_t sent = 0, received = 0;
+      for (const RowTraffic& g : r->traffic) {
+        sent += g.sent;
+        received += g.received;
+      }
+      EXPECT_EQ(sent, want) << "step " << step + 1;
+      EXPECT_EQ(received, want) << "step " << step + 1;
+    }
+  }
+}
 
 // Every parameter, buffer and expert weight within 1e-4, and the evaluation.
 void ExpectSameWeightsAndEvaluation(Trainer& a, Trainer& b) {
@@ -338,11 +398,12 @@ TEST(RemoteTrainingTest, SharedMemoryTrainsBitForBitLikeMessages) {
 // train bit for bit like one at a time: the routers' state, the groups'
 // gradient sums and the dense gradient sum all change in micro-batch order.
 TEST(RemoteTrainingTest, MicroBatchesAtOnceTrainBitForBitLikeOneAtATime) {
-  for (const EquivalenceParam& method :
-       {EquivalenceParam{router::RoutingMethod::kHiMoe, 0.1},
-        EquivalenceParam{router::RoutingMethod::kLossFree, 0}}) {
-    TrainerOptions o = SmallOptions(method.first);
-    o.model.routing.target_expert_cv = method.second;
+  for (const EquivalenceParam& method : {EquivalenceParam{router::RoutingMethod::kHiMoe, 0.1},
+                                         EquivalenceParam{router::RoutingMethod::kLossFree, 0},
+                                         EquivalenceParam{router::RoutingMethod::kHiMoe, 0, 2}}) {
+    TrainerOptions o = SmallOptions(method.method);
+    o.model.routing.target_expert_cv = method.target_cv;
+    if (method.per_group == 2) TwoExpertsPerGroup(o);
     o.grad_accum = 3;
     o.shared_memory = true;
     ExpertCluster cluster(o, /*shared_memory=*/true);
@@ -350,8 +411,8 @@ TEST(RemoteTrainingTest, MicroBatchesAtOnceTrainBitForBitLikeOneAtATime) {
     std::map<std::string, at::Tensor> params[3];
     double val[3] = {};
     for (int in_flight = 1; in_flight <= 3; ++in_flight) {
-      const std::string run = absl::StrCat(router::RoutingMethodName(method.first), ", ",
-                                           in_flight, " in flight");
+      const std::string run =
+          absl::StrCat(router::RoutingMethodName(method.method), ", ", in_flight, " in flight");
       o.micro_batches_in_flight = in_flight;
       auto t = Trainer::Create(cluster.Remote(o));
       ASSERT_TRUE(t.ok()) << run << ": " << t.status();
@@ -369,7 +430,7 @@ TEST(RemoteTrainingTest, MicroBatchesAtOnceTrainBitForBitLikeOneAtATime) {
       val[in_flight - 1] = v->loss;
     }
     for (int i = 1; i < 3; ++i) {
-      SCOPED_TRACE(absl::StrCat(router::RoutingMethodName(method.first), ", ", i + 1,
+      SCOPED_TRACE(absl::StrCat(router::RoutingMethodName(method.method), ", ", i + 1,
                                 " in flight against 1"));
       EXPECT_EQ(losses[i], losses[0]);
       EXPECT_EQ(norms[i], norms[0]);
@@ -561,12 +622,14 @@ TEST(RemoteTrainingTest, GroupLostBeforeBackwardStaysUnavailable) {
   auto backend = CreateRemoteBackend(bo);
   ASSERT_TRUE(backend.ok()) << backend.status();
   const int per_group = bo.shape.num_experts() / bo.shape.num_groups();
-  std::vector<at::Tensor> rows, ids;
+  std::vector<GroupRows> groups(bo.shape.num_groups());
   for (int g = 0; g < bo.shape.num_groups(); ++g) {
-    rows.push_back(at::randn({3, bo.shape.d_model()}).requires_grad_());
-    ids.push_back(at::full({3}, g * per_group, at::kLong));
+    groups[g].rows = at::randn({3, bo.shape.d_model()}).requires_grad_();
+    groups[g].assignment_rows = at::arange(3);
+    groups[g].expert_ids = at::full({3}, g * per_group, at::kLong);
+    groups[g].weights = at::ones({3}).requires_grad_();
   }
-  auto out = (*backend)->Forward(/*layer=*/0, /*step=*/1, /*micro_batch=*/0, rows, ids,
+  auto out = (*backend)->Forward(/*layer=*/0, /*step=*/1, /*micro_batch=*/0, groups,
                                  /*training=*/true);
   ASSERT_TRUE(out.ok()) << out.status();
   cluster.Shutdown(1);

@@ -237,5 +237,23 @@ TEST(DispatchCombineTest, OtherDtypesTakeTheAtenOps) {
   EXPECT_TRUE(at::equal(x.grad(), want));
 }
 
+// Each token once: the distinct rows ascending, every assignment pointing at
+// its own token, checked against a hand-made dispatch.
+TEST(DispatchCombineTest, DistinctTokenRowsListEachTokenOnce) {
+  GroupDispatch d;
+  // Expert-sorted assignments of tokens 6, 2, 6, 0, 2 (token 6 and 2 twice).
+  d.token_rows = at::tensor(std::vector<int64_t>{6, 2, 6, 0, 2});
+  const DistinctTokens once = DistinctTokenRows(8, d);
+  EXPECT_TRUE(at::equal(once.tokens, at::tensor(std::vector<int64_t>{0, 2, 6})));
+  EXPECT_TRUE(at::equal(once.rows, at::tensor(std::vector<int64_t>{2, 1, 2, 0, 1})));
+  EXPECT_TRUE(at::equal(once.tokens.index_select(0, once.rows), d.token_rows));
+
+  GroupDispatch none;
+  none.token_rows = at::empty({0}, at::kLong);
+  const DistinctTokens empty = DistinctTokenRows(8, none);
+  EXPECT_EQ(empty.tokens.numel(), 0);
+  EXPECT_EQ(empty.rows.numel(), 0);
+}
+
 }  // namespace
 }  // namespace himoe::router
