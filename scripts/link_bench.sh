@@ -4,10 +4,11 @@
 # himoe-expert each, the coordinator runs himoe-trainer --experts=cluster.
 # The coordinator's link (both directions) is shaped with tc's token bucket
 # to each --rates entry ("none": the unshaped veth). Every run is a step of
-# 2048 tokens as 2 micro-batches of 8 sequences of 128, with overlap "on"
-# (the 2 micro-batches in flight at once, --micro_batches_in_flight 2: one's
-# dense work while the other's rows are on the wire) or "off" (one at a
-# time): the same arithmetic, so only the schedule differs.
+# 2048 tokens, a batch of 16 sequences of 128 split into --micro_batches
+# (--split_batch; 2, the trainer's default with remote experts), with overlap
+# "on" (all in flight at once, --micro_batches_in_flight: one's dense work
+# while another's rows are on the wire) or "off" (one at a time): the same
+# arithmetic, so only the schedule differs.
 #
 # Configs: "released" (the released code's: 4 layers, d 128, 8 experts in 4
 # groups, k 1, width 512) and "two_per_group" (16 experts in 4 groups, k 2,
@@ -25,15 +26,17 @@
 #
 # Then latency: the links unshaped and a delay relay (scripts/delay_relay.py)
 # in the coordinator's namespace in front of every group, at each --rtts
-# round-trip time (ms; the relay adds it on top of the veth's), released
-# config, float32, overlap on and off.
+# round-trip time (ms; the relay adds it on top of the veth's): training on
+# the released config, float32, overlap on and off, and one Generate stream's
+# time a token through himoe-router serving a checkpoint of that config
+# (scripts/generate_latency.py).
 #
 # Needs root and iproute2; exits 77 without them. Writes a Markdown table
 # (--out, default runs/bench/link.md).
 #
 #   scripts/link_bench.sh [--rates "500mbit 1gbit 10gbit none"] [--configs "released two_per_group"]
-#       [--dtypes "float32 bfloat16"] [--overlap "on off"] [--rtts "0.2 1 5"] [--steps 30]
-#       [--rounds 2] [--out F]
+#       [--dtypes "float32 bfloat16"] [--overlap "on off"] [--rtts "0.2 1 5"]
+#       [--micro_batches 2] [--steps 30] [--rounds 2] [--out F]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${HIMOE_BUILD_DIR:-${ROOT}/build}"
@@ -42,6 +45,7 @@ configs="released two_per_group"
 dtypes="float32 bfloat16"
 overlaps="on off"
 rtts="0.2 1 5"
+micro_batches=2
 steps=30
 rounds=2
 out="${ROOT}/runs/bench/link.md"
@@ -52,6 +56,7 @@ while [[ $# -gt 0 ]]; do
     --dtypes) dtypes="$2"; shift 2 ;;
     --overlap) overlaps="$2"; shift 2 ;;
     --rtts) rtts="$2"; shift 2 ;;
+    --micro_batches) micro_batches="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
@@ -107,13 +112,17 @@ cluster_file() {
   for g in "$@"; do echo "groups { address: \"${g}\" }"; done
 }
 
-# shape RATE: the coordinator's link, both ways (its eth0 out, the switch's port0 out).
+# shape RATE: the coordinator's link, both ways (its eth0 out, the switch's
+# port0 out). The bucket holds 1 ms of the rate (at least 64 KiB): an idle
+# link does not send a layer's rows faster than the rate.
 shape() {
   ip netns exec "${NETNS_COORD}" tc qdisc del dev eth0 root 2>/dev/null || true
   ip netns exec "${NETNS_SWITCH}" tc qdisc del dev port0 root 2>/dev/null || true
   [[ "$1" == none ]] && return
-  ip netns exec "${NETNS_COORD}" tc qdisc add dev eth0 root tbf rate "$1" burst 1mb latency 100ms
-  ip netns exec "${NETNS_SWITCH}" tc qdisc add dev port0 root tbf rate "$1" burst 1mb latency 100ms
+  local burst
+  burst="$(/usr/bin/python3 -c "import sys; sys.path.insert(0, '${ROOT}/scripts'); import link_report; print(max(65536, int(link_report.rate_bps('$1') / 8 / 1000)))")"
+  ip netns exec "${NETNS_COORD}" tc qdisc add dev eth0 root tbf rate "$1" burst "${burst}" latency 100ms
+  ip netns exec "${NETNS_SWITCH}" tc qdisc add dev port0 root tbf rate "$1" burst "${burst}" latency 100ms
 }
 eth0_bytes() {
   local d=/sys/class/net/eth0/statistics
@@ -121,20 +130,23 @@ eth0_bytes() {
 }
 
 results="${work}/results.tsv"
-# train NAME CLUSTER_FILE CONFIG DTYPE OVERLAP RATE RTT ROUND: one run, one results line.
+# train NAME CLUSTER_FILE CONFIG DTYPE OVERLAP RATE RTT ROUND [FLAG...]: one run, one
+# results line.
 train() {
   local name="$1" cluster="$2" config="$3" wire="$4" overlap="$5" rate="$6" rtt="$7" round="$8"
-  local in_flight=2 tx0 rx0 tx1 rx1
+  local in_flight="${micro_batches}" tx0 rx0 tx1 rx1
   [[ "${overlap}" == on ]] || in_flight=1
   read -r _ _ d_ff < <(config_model "${config}")
   echo "link_bench: ${name}" >&2
   read -r tx0 rx0 < <(eth0_bytes)
   ip netns exec "${NETNS_COORD}" "${BUILD}/trainer/himoe-trainer" --experts=cluster \
     --cluster "${cluster}" --wire_dtype="${wire}" --threads 1 \
-    --n_layer 4 --d_model 128 --n_head 4 --block_size 128 --batch_size 8 --grad_accum 2 \
-    --micro_batches_in_flight "${in_flight}" --d_ff "${d_ff}" --dense_ff 512 \
+    --n_layer 4 --d_model 128 --n_head 4 --block_size 128 --batch_size 16 \
+    --split_batch "${micro_batches}" --micro_batches_in_flight "${in_flight}" \
+    --d_ff "${d_ff}" --dense_ff 512 \
     --lr 1e-3 --steps "${steps}" --warmup 5 --eval_every 1000000 --eval_windows 1 \
-    --log_every 1000000 --metrics_port=-1 --out_dir "${work}/${name}" >"${work}/${name}.log" 2>&1 ||
+    --log_every 1000000 --metrics_port=-1 --out_dir "${work}/${name}" "${@:9}" \
+    >"${work}/${name}.log" 2>&1 ||
     { tail -n 20 "${work}/${name}.log"; echo "link_bench: ${name} failed" >&2; exit 1; }
   read -r tx1 rx1 < <(eth0_bytes)
   echo -e "${config}\t${overlap}\t${rate}\t${wire}\t${rtt}\t${round}\t$((tx1 - tx0))\t$((rx1 - rx0))\t${work}/${name}/metrics.jsonl" >>"${results}"
@@ -161,6 +173,14 @@ done
 if [[ -n "${rtts}" ]]; then
   shape none
   experts_up released
+  cluster_file released "${direct[@]}" >"${work}/served.textproto"
+  # The model a router serves for the Generate streams: a few steps' checkpoint.
+  ip netns exec "${NETNS_COORD}" "${BUILD}/trainer/himoe-trainer" --experts=cluster \
+    --cluster "${work}/served.textproto" --threads 1 --n_layer 4 --d_model 128 --n_head 4 \
+    --block_size 128 --batch_size 16 --d_ff 512 --dense_ff 512 --steps 5 --checkpoint_every 5 \
+    --eval_every 1000000 --eval_windows 1 --log_every 1000000 --metrics_port=-1 \
+    --out_dir "${work}/served" >"${work}/served.log" 2>&1 ||
+    { tail -n 20 "${work}/served.log"; echo "link_bench: the served model's training failed" >&2; exit 1; }
   relayed=()
   maps=()
   for ((g = 0; g < kGroups; ++g)); do
@@ -170,7 +190,7 @@ if [[ -n "${rtts}" ]]; then
   cluster_file released "${relayed[@]}" >"${work}/relayed.textproto"
   for ((round = 1; round <= rounds; ++round)); do
     for rtt in ${rtts}; do
-      rm -f "${work}/relay.ready"
+      rm -f "${work}/relay.ready" "${work}/router.port"
       ip netns exec "${NETNS_COORD}" /usr/bin/python3 "${ROOT}/scripts/delay_relay.py" \
         --delay_ms "$(awk -v r="${rtt}" 'BEGIN { print r / 2 }')" "${maps[@]}" \
         --ready_file "${work}/relay.ready" 2>"${work}/relay.log" &
@@ -182,13 +202,29 @@ if [[ -n "${rtts}" ]]; then
       [[ -s "${work}/relay.ready" ]] || { cat "${work}/relay.log" >&2; exit 1; }
       for overlap in ${overlaps}; do
         train "rtt${rtt}-${overlap}-r${round}" "${work}/relayed.textproto" released float32 \
-          "${overlap}" none "${rtt}" "${round}"
+          "${overlap}" none "${rtt}" "${round}" --take_over_served_experts
       done
-      kill "${relay}" 2>/dev/null || true
-      wait "${relay}" 2>/dev/null || true
+      # One Generate stream through a router in front of the relay.
+      ip netns exec "${NETNS_COORD}" "${BUILD}/router_service/himoe-router" \
+        --cluster "${work}/relayed.textproto" --address 127.0.0.1:0 --threads 1 \
+        --metrics_port=-1 --checkpoint "${work}/served/checkpoints" \
+        --port_file "${work}/router.port" >"${work}/router-${rtt}-r${round}.log" 2>&1 &
+      router=$!
+      for ((t = 0; t < 300; ++t)); do
+        [[ -s "${work}/router.port" ]] && break
+        sleep 0.1
+      done
+      [[ -s "${work}/router.port" ]] ||
+        { tail -n 20 "${work}/router-${rtt}-r${round}.log" >&2; exit 1; }
+      ms="$(ip netns exec "${NETNS_COORD}" /usr/bin/python3 "${ROOT}/scripts/generate_latency.py" \
+        --address "127.0.0.1:$(head -n 1 "${work}/router.port")")"
+      echo -e "${rtt}\t${round}\t${ms}" >>"${work}/generate.tsv"
+      kill "${router}" "${relay}" 2>/dev/null || true
+      wait "${router}" "${relay}" 2>/dev/null || true
     done
   done
 fi
 
 mkdir -p "$(dirname "${out}")"
-/usr/bin/python3 "${ROOT}/scripts/link_report.py" "${results}" "${out}" "${steps}"
+/usr/bin/python3 "${ROOT}/scripts/link_report.py" "${results}" "${out}" "${steps}" "${micro_batches}" \
+  "${work}/generate.tsv"

@@ -1,10 +1,11 @@
 #!/usr/bin/python3
 """The link bench's tables (scripts/link_bench.sh) from its results file.
 
-  link_report.py RESULTS.tsv OUT.md STEPS
+  link_report.py RESULTS.tsv OUT.md STEPS MICRO_BATCHES [GENERATE.tsv]
 
 RESULTS.tsv lines: config, overlap, rate, wire dtype, rtt, round, eth0 tx
-bytes, eth0 rx bytes, the run's metrics.jsonl. Exits 1 when a run's row bytes
+bytes, eth0 rx bytes, the run's metrics.jsonl. GENERATE.tsv lines: rtt, round,
+ms a token of one Generate stream. Exits 1 when a run's row bytes
 differ from tokens x distinct groups a token x d_model x bytes x 2.
 """
 import datetime
@@ -47,7 +48,7 @@ def run_figures(path, wire):
 
 
 def main():
-    results, out_path, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    results, out_path, steps, micro = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     runs = []
     for line in open(results):
         config, overlap, rate, wire, rtt, rnd, tx, rx, path = line.rstrip("\n").split("\t")
@@ -67,8 +68,8 @@ def main():
     mib = 2 ** 20
     text = [f"Measured {datetime.date.today()} on {cpu}, {os.cpu_count()} cores, commit "
             f"{commit}: 4 himoe-expert hosts and the coordinator in network namespaces of "
-            f"this machine, {steps} steps a run, 2048 tokens a step (2 micro-batches of "
-            "8 x 128). tokens/s: the median step after 5, the median over rounds (each ratio "
+            f"this machine, {steps} steps a run, 2048 tokens a step (a batch of 16 x 128 as "
+            f"{micro} micro-batches; overlap on: all in flight at once). tokens/s: the median step after 5, the median over rounds (each ratio "
             "the median of the rounds' own). Link bound: tokens/s if moving the step's row "
             "bytes (the larger direction) at the tbf rate were the only cost. Row bytes: what "
             "the transport moved a step each way, equal to tokens x distinct groups a token x "
@@ -113,18 +114,27 @@ def main():
     relayed = [r for r in runs if r["rtt"] != "-"]
     if relayed:
         rtts = sorted({r["rtt"] for r in relayed}, key=float)
+        generate = {}
+        if len(sys.argv) > 5 and os.path.exists(sys.argv[5]):
+            for line in open(sys.argv[5]):
+                rtt, rnd, ms = line.split()
+                generate.setdefault(rtt, []).append(float(ms))
         text += ["", "Latency: the links unshaped, a delay relay (scripts/delay_relay.py) in "
-                 "front of every group adding the round-trip time, released config, float32.",
-                 "", f"| RTT added, ms | overlap | tokens/s | step, ms | / {rtts[0]} ms |",
-                 "|---:|---|---:|---:|---:|"]
+                 "front of every group adding the round-trip time; training on the released "
+                 "config, float32; Generate: one stream through himoe-router serving that "
+                 "config (64 new tokens, the median of 3 streams a round, then over rounds).",
+                 "", f"| RTT added, ms | overlap | tokens/s | step, ms | / {rtts[0]} ms "
+                 "| Generate, ms a token |", "|---:|---|---:|---:|---:|---:|"]
         for overlap in sorted({r["overlap"] for r in relayed}):
             for rtt in rtts:
                 rounds = same(rtt=rtt, overlap=overlap)
                 ratios = [r["tps"] / same(rtt=rtts[0], overlap=overlap, round=r["round"])[0]["tps"]
                           for r in rounds]
                 tps = statistics.median(r["tps"] for r in rounds)
-                text.append(f"| {rtt} | {overlap} | {tps:.0f} | {1000 * rounds[0]['tokens'] / tps:.0f} "
-                            f"| {statistics.median(ratios):.2f} |")
+                gen = f"{statistics.median(generate[rtt]):.2f}" if rtt in generate else ""
+                text.append(f"| {rtt} | {overlap} | {tps:.0f} | "
+                            f"{1000 * rounds[0]['tokens'] / tps:.0f} | "
+                            f"{statistics.median(ratios):.2f} | {gen} |")
     doc = "\n".join(text) + "\n"
     print(doc)
     with open(out_path, "w") as f:

@@ -49,6 +49,11 @@ absl::Status ValidateModes(const TrainerFlags& f) {
         "--expert_metrics_port: a port >= 0, or -1, and only with --experts=local (the cluster "
         "file gives a cluster's metrics ports)");
   }
+  if (f.split_batch < 0 || (f.split_batch > 0 && f.batch_size % f.split_batch != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--split_batch: ", f.split_batch, "; expected 0 (automatic) or a divisor of "
+                     "--batch_size=", f.batch_size));
+  }
   if (!f.on_group_failure.empty() && f.on_group_failure != "fail" &&
       f.on_group_failure != "wait_and_resume") {
     return Refuse("on_group_failure", "fail or wait_and_resume", f.on_group_failure);
@@ -135,8 +140,13 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags(const TrainerFlags& f) {
   o.data.format = f.format;
   o.data.val_fraction = f.val_fraction;
   o.steps = f.steps;
-  o.batch_size = f.batch_size;
-  o.grad_accum = f.grad_accum;
+  // Remote experts: two halves of each batch in flight, one's dense work
+  // while the other's rows are on the wire (docs/benchmarks.md, Link).
+  const int split = f.split_batch > 0 ? f.split_batch
+                    : f.experts != "inprocess" && f.batch_size % 2 == 0 && !f.profile ? 2
+                                                                                       : 1;
+  o.batch_size = f.batch_size / split;
+  o.grad_accum = f.grad_accum * split;
   // The step profiler follows one thread.
   o.micro_batches_in_flight = f.profile ? 1 : f.micro_batches_in_flight;
   o.lr = f.lr;

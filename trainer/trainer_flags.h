@@ -57,6 +57,10 @@ struct TrainerFlags {
   int64_t steps = 600;
   int64_t batch_size = 16;
   int grad_accum = 1;
+  // Each micro-batch runs as this many of batch_size / split_batch sequences;
+  // 0 = 2 with remote experts (local, cluster) when batch_size is even and
+  // the step is not profiled, else 1.
+  int split_batch = 0;
   int micro_batches_in_flight = 2;
   double lr = 2e-3;
   double min_lr = 2e-4;

@@ -70,10 +70,16 @@ ABSL_FLAG(int, moe_every, 1, "MoE FFN on every layer (1) or every other layer (2
 ABSL_FLAG(int64_t, steps, 600, "optimizer steps");
 ABSL_FLAG(int64_t, batch_size, 16, "sequences per micro-batch");
 ABSL_FLAG(int, grad_accum, 1, "micro-batches per step");
+ABSL_FLAG(int, split_batch, 0,
+          "each micro-batch of --batch_size sequences runs as this many micro-batches of "
+          "batch_size / N (gradients summed over all of them), so that with remote experts one's "
+          "dense work overlaps another's expert traffic; 0 = 2 with remote experts (local, "
+          "cluster) and an even --batch_size, 1 in process");
 ABSL_FLAG(int, micro_batches_in_flight, 2,
-          "with remote experts and --grad_accum > 1: micro-batches run this many at once, one's "
-          "dense work beside another's expert calls (the step is the sequential one, bit for "
-          "bit; each holds its activations); 1 = one at a time");
+          "with remote experts and more than one micro-batch a step (--grad_accum x "
+          "--split_batch): micro-batches run this many at once, one's dense work beside another's "
+          "expert calls (the step is the sequential one, bit for bit; each holds its "
+          "activations); 1 = one at a time");
 ABSL_FLAG(double, lr, 2e-3, "peak learning rate");
 ABSL_FLAG(double, min_lr, 2e-4, "final learning rate");
 ABSL_FLAG(int64_t, warmup, 30, "warmup steps");
@@ -197,6 +203,7 @@ void ReadTrainingFlags(TrainerFlags& f) {
   f.steps = absl::GetFlag(FLAGS_steps);
   f.batch_size = absl::GetFlag(FLAGS_batch_size);
   f.grad_accum = absl::GetFlag(FLAGS_grad_accum);
+  f.split_batch = absl::GetFlag(FLAGS_split_batch);
   f.micro_batches_in_flight = absl::GetFlag(FLAGS_micro_batches_in_flight);
   f.lr = absl::GetFlag(FLAGS_lr);
   f.min_lr = absl::GetFlag(FLAGS_min_lr);

@@ -100,8 +100,9 @@ cluster_file router >"${work}/impostor.textproto"
 for ((line = 0; line < 600; ++line)); do
   echo "line ${line}: grouped experts route $((line * 7919 % 1000)) tokens over the network."
 done >"${work}/corpus.txt"
+# --split_batch 2 in both runs: the cluster's default, made in process too.
 common=(--data "${work}/corpus.txt" --n_layer 2 --n_head 2 --block_size 32 --batch_size 8
-  --steps 6 --eval_every 3 --eval_windows 8 --warmup 2 --seed 1 --threads 1 --log_every 1)
+  --split_batch 2 --steps 6 --eval_every 3 --eval_windows 8 --warmup 2 --seed 1 --threads 1 --log_every 1)
 if ip netns exec "${coord}" "${trainer_bin}" --experts=cluster \
   --cluster "${work}/impostor.textproto" "${common[@]}" --out_dir "${work}/impostor" \
   >"${work}/impostor.log" 2>&1; then

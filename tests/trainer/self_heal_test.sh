@@ -2,8 +2,9 @@
 # Self-healing training (--on_group_failure=wait_and_resume, the default with
 # --experts=local): an expert process killed mid-run is started again, the
 # run reloads its last checkpoint and goes on, and its final weights equal
-# those of an uninterrupted run with the same seed. Two micro-batches a step,
-# run at once (--micro_batches_in_flight's default): the kill finds calls of
+# those of an uninterrupted run with the same seed. Four micro-batches a step
+# (--grad_accum 2, each batch split in two by default with remote experts),
+# two at once (--micro_batches_in_flight's default): the kill finds calls of
 # both in flight.
 set -euo pipefail
 trainer="${HIMOE_BUILD_DIR}/trainer/himoe-trainer"
@@ -34,7 +35,7 @@ wait "${pid}" || status=$?
 pid=""
 cat "${out}/healed.log"
 test "${status}" -eq 0
-grep -q "micro-batches: 2 of each step's 2 at once" "${out}/healed.log"
+grep -q "micro-batches: 2 of each step's 4 at once" "${out}/healed.log"
 grep -q "expert group failure at step" "${out}/healed.log"
 grep -q "restarted expert group(s) 1" "${out}/healed.log"
 # From the newest checkpoint before the failure (step 4, or 8 when the kill

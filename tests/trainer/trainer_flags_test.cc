@@ -3,6 +3,7 @@
 #include "trainer/trainer_flags.h"
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -89,6 +90,38 @@ TEST(TrainerFlagsTest, OptionsFromFlags) {
 
   f.profile = true;  // the profiler follows one thread
   EXPECT_EQ(TrainerOptionsFromFlags(f)->micro_batches_in_flight, 1);
+  f.profile = false;
+
+  // Remote experts split an even batch in two by default; in process, an odd
+  // batch, or a profiled step keep it whole; --split_batch says otherwise.
+  f.batch_size = 4;
+  for (const auto& [experts, batch, accum] :
+       {std::tuple{"inprocess", 4, 2}, std::tuple{"local", 2, 4}, std::tuple{"cluster", 2, 4}}) {
+    f.experts = experts;
+    f.cluster = f.experts == "cluster" ? "cluster.textproto" : "";
+    const absl::StatusOr<TrainerOptions> split = TrainerOptionsFromFlags(f);
+    ASSERT_TRUE(split.ok()) << split.status();
+    EXPECT_EQ(split->batch_size, batch) << experts;
+    EXPECT_EQ(split->grad_accum, accum) << experts;
+  }
+  f.experts = "local";
+  f.cluster.clear();
+  f.profile = true;
+  EXPECT_EQ(TrainerOptionsFromFlags(f)->batch_size, 4);
+  f.profile = false;
+  f.batch_size = 3;
+  EXPECT_EQ(TrainerOptionsFromFlags(f)->batch_size, 3);
+  f.batch_size = 4;
+  f.split_batch = 4;
+  EXPECT_EQ(TrainerOptionsFromFlags(f)->batch_size, 1);
+  EXPECT_EQ(TrainerOptionsFromFlags(f)->grad_accum, 8);
+  f.split_batch = 3;
+  const absl::StatusOr<TrainerOptions> bad = TrainerOptionsFromFlags(f);
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status()));
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("--split_batch: 3; expected 0 (automatic) or a divisor of --batch_size=4"));
+  f.split_batch = 0;
+  f.experts = "inprocess";
   f.preset = "reference";  // its init, unless --init says
   EXPECT_EQ(TrainerOptionsFromFlags(f)->model.init, v1::WEIGHT_INIT_SWITCH);
   f.init = "default";
