@@ -9,6 +9,7 @@
 #   scripts/bench.sh serve [himoe-serve-bench flags]
 #   scripts/bench.sh kernels [himoe-kernels-bench flags]
 #   scripts/bench.sh link [scripts/link_bench.sh flags]
+#   scripts/bench.sh groups [scripts/groups_bench.sh flags]
 #
 # train: back to back, on the released code's config (4 layers, d 128, block
 # 128, batch 16, 8 experts in 4 groups, K 4, width 512) and on the main job's
@@ -125,6 +126,13 @@ if [[ "${mode}" == link ]]; then
   # and off, float32 and bfloat16 on the wire, 1 and 2 experts a group
   # (scripts/link_bench.sh; root); writes runs/bench/link.md.
   exec bash "${ROOT}/scripts/link_bench.sh" "$@"
+fi
+if [[ "${mode}" == groups ]]; then
+  # groups: grouped (himoe, moge) against flat (vanilla) dispatch on shaped
+  # links, with each step's wait for the slowest group, then M = 2 to 16
+  # expert hosts: tokens/s and the coordinator's CPU a step
+  # (scripts/groups_bench.sh; root); writes runs/bench/groups.md.
+  exec bash "${ROOT}/scripts/groups_bench.sh" "$@"
 fi
 if [[ "${mode}" == kernels ]]; then
   # kernels: the project's own CPU loops at 1 and 2 threads

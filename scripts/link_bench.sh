@@ -63,17 +63,11 @@ while [[ $# -gt 0 ]]; do
     *) sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
   esac
 done
-readonly kSkip=77
-[[ ${EUID} -eq 0 ]] || { echo "SKIP: link_bench: network namespaces need root" >&2; exit ${kSkip}; }
-command -v tc >/dev/null || { echo "SKIP: link_bench: iproute2's tc is not installed" >&2; exit ${kSkip}; }
-
 # shellcheck source=scripts/netns_hosts.sh
 source "${ROOT}/scripts/netns_hosts.sh"
-work="$(mktemp -d)"
-trap 'netns_hosts_down; rm -rf "${work}"' EXIT
 readonly kGroups=4 kPort=50071 kRelayPort=51071
-netns_switch_up "himoelink$$" 10.214.0 || { echo "SKIP: link_bench: ${NETNS_ERROR}" >&2; exit ${kSkip}; }
-netns_hosts_add "${kGroups}"
+netns_bench_up link_bench "himoelink$$" 10.214.0 "${kGroups}"
+work="${NETNS_WORK}"
 
 # config_model NAME: "num_experts top_k d_ff" of a config.
 config_model() {
@@ -86,16 +80,8 @@ config_model() {
 
 # experts_up CONFIG: (re)starts the 4 groups with the config's experts.
 experts_up() {
-  local ns pids
-  for ns in "${NETNS_HOSTS[@]}"; do
-    pids="$(ip netns pids "${ns}" 2>/dev/null || true)"
-    [[ -z "${pids}" ]] || { kill ${pids} 2>/dev/null || true; }
-  done
-  for ns in "${NETNS_HOSTS[@]}"; do
-    while [[ -n "$(ip netns pids "${ns}" 2>/dev/null)" ]]; do sleep 0.1; done
-  done
-  rm -f "${work}"/expert*.port
   read -r experts top_k d_ff < <(config_model "$1")
+  netns_hosts_stop "${work}"
   netns_experts_up "${BUILD}/expert_service/himoe-expert" "${work}" "${kPort}" \
     --num_groups=${kGroups} --num_experts="${experts}" --num_layers=4 --d_model=128 \
     --d_ff="${d_ff}" --seed=1 --threads=1 --metrics_port=-1 --insecure_training ||
@@ -112,18 +98,6 @@ cluster_file() {
   for g in "$@"; do echo "groups { address: \"${g}\" }"; done
 }
 
-# shape RATE: the coordinator's link, both ways (its eth0 out, the switch's
-# port0 out). The bucket holds 1 ms of the rate (at least 64 KiB): an idle
-# link does not send a layer's rows faster than the rate.
-shape() {
-  ip netns exec "${NETNS_COORD}" tc qdisc del dev eth0 root 2>/dev/null || true
-  ip netns exec "${NETNS_SWITCH}" tc qdisc del dev port0 root 2>/dev/null || true
-  [[ "$1" == none ]] && return
-  local burst
-  burst="$(/usr/bin/python3 -c "import sys; sys.path.insert(0, '${ROOT}/scripts'); import link_report; print(max(65536, int(link_report.rate_bps('$1') / 8 / 1000)))")"
-  ip netns exec "${NETNS_COORD}" tc qdisc add dev eth0 root tbf rate "$1" burst "${burst}" latency 100ms
-  ip netns exec "${NETNS_SWITCH}" tc qdisc add dev port0 root tbf rate "$1" burst "${burst}" latency 100ms
-}
 eth0_bytes() {
   local d=/sys/class/net/eth0/statistics
   ip netns exec "${NETNS_COORD}" sh -c "echo \$(cat ${d}/tx_bytes) \$(cat ${d}/rx_bytes)"
@@ -159,7 +133,7 @@ for config in ${configs}; do
   cluster_file "${config}" "${direct[@]}" >"${work}/${config}.textproto"
   for ((round = 1; round <= rounds; ++round)); do
     for rate in ${rates}; do
-      shape "${rate}"
+      netns_shape_coord "${rate}"
       for wire in ${dtypes}; do
         for overlap in ${overlaps}; do
           train "${config}-${rate}-${wire}-${overlap}-r${round}" "${work}/${config}.textproto" \
@@ -171,7 +145,7 @@ for config in ${configs}; do
 done
 
 if [[ -n "${rtts}" ]]; then
-  shape none
+  netns_shape_coord none
   experts_up released
   cluster_file released "${direct[@]}" >"${work}/served.textproto"
   # The model a router serves for the Generate streams: a few steps' checkpoint.

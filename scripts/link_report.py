@@ -28,6 +28,23 @@ def rate_bps(rate):
     return None  # "none": unshaped
 
 
+def machine_and_commit():
+    """This machine's CPU model name and the checkout's short commit."""
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
+                if l.startswith("model name")), "?")
+    commit = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse",
+                             "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return cpu, commit or "?"
+
+
+def write_doc(lines, path):
+    """Prints the table's lines and writes them to `path`."""
+    doc = "\n".join(lines) + "\n"
+    print(doc)
+    with open(path, "w") as f:
+        f.write(doc)
+
+
 def run_figures(path, wire):
     train = [json.loads(l) for l in open(path) if '"kind":"train"' in l]
     timed = train[WARMUP:]
@@ -57,14 +74,7 @@ def main():
                  eth0_tx=int(tx) / steps, eth0_rx=int(rx) / steps)
         runs.append(f)
 
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
-                if l.startswith("model name")), "?")
-    try:
-        commit = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)),
-                                 "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or "?"
-    except OSError:
-        commit = "?"
+    cpu, commit = machine_and_commit()
     mib = 2 ** 20
     text = [f"Measured {datetime.date.today()} on {cpu}, {os.cpu_count()} cores, commit "
             f"{commit}: 4 himoe-expert hosts and the coordinator in network namespaces of "
@@ -135,10 +145,7 @@ def main():
                 text.append(f"| {rtt} | {overlap} | {tps:.0f} | "
                             f"{1000 * rounds[0]['tokens'] / tps:.0f} | "
                             f"{statistics.median(ratios):.2f} | {gen} |")
-    doc = "\n".join(text) + "\n"
-    print(doc)
-    with open(out_path, "w") as f:
-        f.write(doc)
+    write_doc(text, out_path)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,31 @@
 #                               call it outside `if` and `||`, so that set -e
 #                               stops on a failure
 #   netns_experts_up BIN DIR PORT FLAG...   a himoe-expert on every host
+#   netns_hosts_stop DIR        stops what runs on the hosts of NETNS_HOSTS
+#                               and removes their port files from DIR
+#   netns_shape_coord RATE      the coordinator's link shaped both ways with
+#                               tc's token bucket ("none": unshaped)
 #   netns_hosts_down            kills what runs in them and deletes them all
+#
+#   netns_bench_up NAME ID SUBNET N   all of the above for a bench script
 #
 # Sets NETNS_SWITCH, NETNS_COORD, NETNS_HOSTS (array), NETNS_COORD_IP and
 # netns_host_ip G. Nothing is created in the root namespace except the
 # namespaces themselves.
 
 NETNS_CREATED=()
+
+# netns_bench_up NAME ID SUBNET HOSTS: a bench's testbed, or exit 77 (skip)
+# naming why: root and tc are needed, and the namespaces must be made. Makes
+# NETNS_WORK (a temporary folder) and removes it, and the namespaces, at exit.
+netns_bench_up() {
+  [[ ${EUID} -eq 0 ]] || { echo "SKIP: $1: network namespaces need root" >&2; exit 77; }
+  command -v tc >/dev/null || { echo "SKIP: $1: iproute2's tc is not installed" >&2; exit 77; }
+  NETNS_WORK="$(mktemp -d)"
+  trap 'netns_hosts_down; rm -rf "${NETNS_WORK}"' EXIT
+  netns_switch_up "$2" "$3" || { echo "SKIP: $1: ${NETNS_ERROR}" >&2; exit 77; }
+  netns_hosts_add "$4"
+}
 
 netns_switch_up() {
   local err
@@ -76,6 +94,33 @@ netns_experts_up() {
   tail -n 20 "${dir}"/expert*.log >&2
   NETNS_ERROR="only ${ready} of ${n} expert hosts came up"
   return 1
+}
+
+netns_hosts_stop() {
+  local ns pids
+  for ns in "${NETNS_HOSTS[@]}"; do
+    pids="$(ip netns pids "${ns}" 2>/dev/null || true)"
+    [[ -z "${pids}" ]] || { kill ${pids} 2>/dev/null || true; }
+  done
+  for ns in "${NETNS_HOSTS[@]}"; do
+    while [[ -n "$(ip netns pids "${ns}" 2>/dev/null)" ]]; do sleep 0.1; done
+  done
+  rm -f "$1"/expert*.port
+}
+
+# netns_shape_coord RATE: tc's rate syntax (500mbit, 1gbit, ...) on the
+# coordinator's eth0 out and the switch's port0 out. The bucket holds 1 ms of
+# the rate (at least 64 KiB), so an idle link sends no faster than the rate.
+netns_shape_coord() {
+  ip netns exec "${NETNS_COORD}" tc qdisc del dev eth0 root 2>/dev/null || true
+  ip netns exec "${NETNS_SWITCH}" tc qdisc del dev port0 root 2>/dev/null || true
+  [[ "$1" == none ]] && return
+  local burst
+  burst="$(echo "$1" | awk '{ n = $0 + 0; u = substr($0, length(n "") + 1);
+    s = (u == "kbit") ? 1e3 : (u == "mbit") ? 1e6 : (u == "gbit") ? 1e9 : 1;
+    b = n * s / 8 / 1000; printf "%d", (b < 65536) ? 65536 : b }')"
+  ip netns exec "${NETNS_COORD}" tc qdisc add dev eth0 root tbf rate "$1" burst "${burst}" latency 100ms
+  ip netns exec "${NETNS_SWITCH}" tc qdisc add dev port0 root tbf rate "$1" burst "${burst}" latency 100ms
 }
 
 netns_hosts_down() {

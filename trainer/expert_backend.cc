@@ -167,7 +167,8 @@ struct RemoteCall {
   uint64_t step = 0;
   uint32_t micro_batch = 0;
   std::vector<int> groups;  // groups that got rows, in order
-  std::vector<GroupRows> sent;  // their assignments (rows and weights: see below)
+  std::vector<GroupRows> sent;  // their assignment rows and expert ids (the rows and
+                                // weights are the autograd function's inputs)
   std::vector<v1::ExpertForwardRequest> requests;  // row data dropped after sending
 };
 
@@ -237,6 +238,25 @@ class RemoteBackend final : public ExpertBackend {
   // dL/d(rows) per call group, then dL/d(weights) per call group.
   absl::StatusOr<std::vector<at::Tensor>> SendBackward(const RemoteCall& call,
                                                        const std::vector<at::Tensor>& grads);
+
+  ForwardWaits Waits() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return waits_;
+  }
+
+  // One call's per-group times to the answer.
+  void AddForwardWait(const std::vector<double>& took) {
+    if (took.empty()) return;
+    double slowest = 0, sum = 0;
+    for (const double t : took) {
+      slowest = std::max(slowest, t);
+      sum += t;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    waits_.calls += 1;
+    waits_.slowest_seconds += slowest;
+    waits_.straggler_seconds += slowest - sum / took.size();
+  }
 
   std::vector<RowTraffic> Traffic() const override {
     std::vector<RowTraffic> out;
@@ -372,7 +392,8 @@ class RemoteBackend final : public ExpertBackend {
   std::vector<std::unique_ptr<expert::ExpertGroupClient>> clients_;
   std::unique_ptr<expert::SharedRegionPool> regions_;  // null: shared memory off
   std::atomic<uint64_t> next_request_id_{1};
-  std::mutex mu_;
+  mutable std::mutex mu_;
+  ForwardWaits waits_;  // guarded by mu_
   uint64_t next_handle_ = 1;
   std::map<uint64_t, std::shared_ptr<RemoteCall>> calls_;
 };
@@ -503,11 +524,19 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
   }
   {
     HIMOE_PROFILE_SCOPE("expert RPC: wait");
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<double> took(n);
     HIMOE_RETURN_IF_ERROR(expert::FanOut(n, [&](size_t i, expert::ExpertGroupClient::Done done) {
       const int group = call.groups[i];
-      clients_[group]->ForwardAsync(&call.requests[i], &responses[i],
-                                    Timed(group, "Forward", std::move(done)));
+      clients_[group]->ForwardAsync(
+          &call.requests[i], &responses[i],
+          Timed(group, "Forward", [&took, i, start, done = std::move(done)](absl::Status s) {
+            took[i] =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            done(std::move(s));
+          }));
     }));
+    AddForwardWait(took);
   }
   HIMOE_PROFILE_SCOPE("expert RPC: decode");
   std::vector<at::Tensor> outputs;

@@ -43,6 +43,15 @@ struct RowTraffic {
   int64_t received = 0;
 };
 
+// Forward calls to the groups so far: per call, the wait for the slowest
+// group's answer, and that minus the mean of the groups' (the time the
+// others' rows sit idle behind a straggler).
+struct ForwardWaits {
+  int64_t calls = 0;
+  double slowest_seconds = 0;
+  double straggler_seconds = 0;
+};
+
 // Where a model's experts live. "layer" counts MoE layers only. Every group
 // holds experts [g*S, (g+1)*S) of every MoE layer.
 class ExpertBackend {
@@ -60,6 +69,8 @@ class ExpertBackend {
   // Per group, what crossed the link since creation (remote groups only;
   // empty in process).
   virtual std::vector<RowTraffic> Traffic() const { return {}; }
+  // Remote groups only (zero in process).
+  virtual ForwardWaits Waits() const { return {}; }
   // Sum over every expert shard of ||grad||^2.
   virtual absl::StatusOr<double> GradNormSquared() = 0;
   // AdamW on every shard with the gradients scaled by `grad_scale` (the global

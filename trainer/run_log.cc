@@ -177,6 +177,11 @@ void RunLog::OnStep(const StepResult& s) {
     line["row_bytes_sent"] = sent;
     line["row_bytes_received"] = received;
   }
+  if (s.waits.calls > 0) {
+    line["forward_calls"] = s.waits.calls;
+    line["forward_wait_s"] = Sig6(s.waits.slowest_seconds);
+    line["forward_straggler_s"] = Sig6(s.waits.straggler_seconds);
+  }
   WriteLine(line.dump());
 }
 

@@ -282,6 +282,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
   r.lr = CosineLearningRate(options_, step_);
   const double accum = options_.grad_accum;
   const std::vector<RowTraffic> traffic_before = experts_->Traffic();
+  const ForwardWaits waits_before = experts_->Waits();
   // Route() moves the routers' state in training (the EMA, the controller,
   // loss_free's counts): a step that fails puts it back, so that it applies
   // nothing (the batches it drew stay drawn).
@@ -366,6 +367,10 @@ absl::StatusOr<StepResult> Trainer::Step() {
     r.traffic[g].sent -= traffic_before[g].sent;
     r.traffic[g].received -= traffic_before[g].received;
   }
+  r.waits = experts_->Waits();
+  r.waits.calls -= waits_before.calls;
+  r.waits.slowest_seconds -= waits_before.slowest_seconds;
+  r.waits.straggler_seconds -= waits_before.straggler_seconds;
   return r;
 }
 

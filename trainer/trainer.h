@@ -104,6 +104,8 @@ struct StepResult {
   // Remote experts: per group, the bytes of rows, outputs and gradients the
   // step sent and received (ExpertBackend::Traffic); empty in process.
   std::vector<RowTraffic> traffic;
+  // Remote experts: the step's Forward calls' waits (ExpertBackend::Waits).
+  ForwardWaits waits;
 
   double gflops() const { return seconds > 0 ? flops / seconds / 1e9 : 0; }
   // Model FLOPs utilisation: achieved over the machine's GEMM rate; 0 when

@@ -197,6 +197,12 @@ TEST(RemoteTrainingTest, EachRowCrossesTheLinkOncePerGroup) {
       }
       EXPECT_EQ(sent, want) << "step " << step + 1;
       EXPECT_EQ(received, want) << "step " << step + 1;
+      // One Forward call a MoE layer, each waiting at least as long for its
+      // slowest group as for the mean one.
+      EXPECT_EQ(r->waits.calls, 2);
+      EXPECT_GT(r->waits.slowest_seconds, 0);
+      EXPECT_GE(r->waits.straggler_seconds, 0);
+      EXPECT_LE(r->waits.straggler_seconds, r->waits.slowest_seconds);
     }
   }
 }
