@@ -9,17 +9,25 @@
 #include "common/status_macros.h"
 #include "common/torch_runtime.h"
 #include "router_service/routing/dispatch_combine.h"
+#include "router_service/routing/routing_math.h"
 
 namespace himoe::trainer {
 
 absl::StatusOr<std::unique_ptr<BackendMoE>> BackendMoE::Create(const model::ModelOptions& o,
                                                                ExpertBackend* experts,
-                                                               MicroBatchTurns* turns) {
+                                                               MicroBatchTurns* turns,
+                                                               DataParallel* data_parallel,
+                                                               int lanes) {
   HIMOE_RETURN_IF_ERROR(router::ValidateRoutingConfig(o.routing));
   if (experts == nullptr || experts->num_groups() != o.routing.num_groups) {
     return absl::InvalidArgumentError("model: the expert backend must have num_groups groups");
   }
-  std::unique_ptr<BackendMoE> moe(new BackendMoE(o.d_model, experts, turns));
+  if (data_parallel != nullptr && (lanes < 1 || lanes > data_parallel->lanes())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: ", lanes, " micro-batch lanes, the data-parallel groups have ",
+                     data_parallel->lanes()));
+  }
+  std::unique_ptr<BackendMoE> moe(new BackendMoE(o.d_model, experts, turns, data_parallel, lanes));
   for (int m = 0; m < model::NumMoeLayers(o); ++m) {
     router::RouterLayerOptions ro;
     ro.config = o.routing;
@@ -46,7 +54,8 @@ absl::StatusOr<router::MoEOutput> BackendMoE::Forward(int layer, const at::Tenso
       if (turns != nullptr) {
         HIMOE_RETURN_IF_ERROR(turns->Wait(Turn::kRoute, layer, call.micro_batch));
       }
-      auto routed = routers_[layer]->Route(x, call.training, call.segments);
+      auto routed = call.training ? RouteTraining(layer, x, call)
+                                  : routers_[layer]->Route(x, false, call.segments);
       if (turns != nullptr) turns->Pass(Turn::kRoute, layer, call.micro_batch);
       HIMOE_ASSIGN_OR_RETURN(out.routing, std::move(routed));
     }
@@ -82,6 +91,36 @@ absl::StatusOr<router::MoEOutput> BackendMoE::Forward(int layer, const at::Tenso
     return absl::OkStatus();
   }));
   return out;
+}
+
+absl::StatusOr<router::RoutingOutput> BackendMoE::RouteTraining(int layer, const at::Tensor& x,
+                                                                const model::MoECall& call) {
+  router::RouterLayer& router = *routers_[layer];
+  if (data_parallel_ == nullptr || data_parallel_->world_size() == 1) {
+    return router.Route(x, true, call.segments);
+  }
+  if (!call.segments.empty()) {
+    return absl::InvalidArgumentError("model: training across ranks routes whole batches");
+  }
+  if (x.dim() != 2 || x.size(1) != router.d_model()) {
+    return router.Route(x, true);  // its error
+  }
+  const at::Tensor logits = router::RouterLogits(x, router.gate_weight());
+  HIMOE_ASSIGN_OR_RETURN(
+      std::vector<at::Tensor> all,
+      data_parallel_->AllGather(logits.detach(), static_cast<int>(call.micro_batch % lanes_)));
+  const int rank = data_parallel_->rank();
+  const auto replay = [&](int begin, int end) -> absl::Status {
+    at::NoGradGuard no_grad;
+    for (int q = begin; q < end; ++q)
+      HIMOE_RETURN_IF_ERROR(router.RouteLogits(all[q], true).status());
+    return absl::OkStatus();
+  };
+  HIMOE_RETURN_IF_ERROR(replay(0, rank));
+  absl::StatusOr<router::RoutingOutput> own = router.RouteLogits(logits, true);
+  if (!own.ok()) return own.status();
+  HIMOE_RETURN_IF_ERROR(replay(rank + 1, static_cast<int>(all.size())));
+  return own;
 }
 
 absl::Status BackendMoE::LoadExpertState(int group, const std::vector<NamedTensor>& state) {

@@ -13,6 +13,7 @@
 #include "model/moe_layers.h"
 #include "router_service/routing/local_moe.h"
 #include "router_service/routing/router_layer.h"
+#include "trainer/data_parallel.h"
 #include "trainer/expert_backend.h"
 #include "trainer/micro_batch_turns.h"
 
@@ -26,9 +27,15 @@ class BackendMoE final : public model::MoELayers {
   // `experts` (not owned) must outlive this and have the model's groups.
   // With `turns` (not owned), training micro-batches route each layer in
   // their order (Turn::kRoute), so that several can run at once.
+  // With `data_parallel` (not owned) of more than one rank, each training
+  // batch's routing moves the routers' state as the batches of every rank
+  // would, one after another in rank order (see RouteTraining); micro-batch
+  // b uses lane b % lanes of it.
   static absl::StatusOr<std::unique_ptr<BackendMoE>> Create(const model::ModelOptions& options,
                                                             ExpertBackend* experts,
-                                                            MicroBatchTurns* turns = nullptr);
+                                                            MicroBatchTurns* turns = nullptr,
+                                                            DataParallel* data_parallel = nullptr,
+                                                            int lanes = 1);
 
   int num_layers() const override { return static_cast<int>(routers_.size()); }
   int num_groups() const override { return experts_->num_groups(); }
@@ -40,12 +47,27 @@ class BackendMoE final : public model::MoELayers {
   ExpertBackend& experts() { return *experts_; }
 
  private:
-  BackendMoE(int64_t d_model, ExpertBackend* experts, MicroBatchTurns* turns)
-      : d_model_(d_model), experts_(experts), turns_(turns) {}
+  BackendMoE(int64_t d_model, ExpertBackend* experts, MicroBatchTurns* turns,
+             DataParallel* data_parallel, int lanes)
+      : d_model_(d_model),
+        experts_(experts),
+        turns_(turns),
+        data_parallel_(data_parallel),
+        lanes_(lanes) {}
+
+  // Routes a training batch. Across ranks, every rank gathers the logits of
+  // the same micro-batch of every rank, routes the others' (no gradient)
+  // before and after its own in rank order, and so leaves the routers'
+  // state (EMA, controller, dual weights, counts, drop seeds) where one rank
+  // routing all those batches in turn would, the same on every rank.
+  absl::StatusOr<router::RoutingOutput> RouteTraining(int layer, const at::Tensor& x,
+                                                      const model::MoECall& call);
 
   int64_t d_model_;
   ExpertBackend* experts_;
   MicroBatchTurns* turns_;
+  DataParallel* data_parallel_;
+  int lanes_;
   std::vector<std::unique_ptr<router::RouterLayer>> routers_;
 };
 

@@ -355,7 +355,11 @@ absl::StatusOr<std::unique_ptr<BatchSampler>> BatchSampler::Create(
   return std::unique_ptr<BatchSampler>(new BatchSampler(tokens, options));
 }
 
-Batch BatchSampler::Next() {
+Batch BatchSampler::Next() { return GatherWindows(tokens_, DrawOffsets(), options_.block_size); }
+
+void BatchSampler::Skip() { DrawOffsets(); }
+
+std::vector<int64_t> BatchSampler::DrawOffsets() {
   // Uniform in [0, range) by rejection: drop the low 2^64 mod range draws.
   const uint64_t range =
       static_cast<uint64_t>(tokens_.numel() - options_.block_size);
@@ -369,7 +373,7 @@ Batch BatchSampler::Next() {
     off = static_cast<int64_t>(r % range);
   }
   ++batches_drawn_;
-  return GatherWindows(tokens_, std::move(offsets), options_.block_size);
+  return offsets;
 }
 
 std::string BatchSampler::SerializeState() const {

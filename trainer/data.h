@@ -121,6 +121,9 @@ class BatchSampler {
       const at::Tensor& tokens, const BatchSamplerOptions& options);
 
   Batch Next();
+  // Draws the batch Next() would, without reading its windows (another
+  // trainer rank's share of the sequence).
+  void Skip();
 
   int64_t batches_drawn() const { return batches_drawn_; }
   const BatchSamplerOptions& options() const { return options_; }
@@ -135,6 +138,7 @@ class BatchSampler {
  private:
   BatchSampler(const at::Tensor& tokens, const BatchSamplerOptions& options)
       : tokens_(tokens), options_(options), rng_(options.seed) {}
+  std::vector<int64_t> DrawOffsets();
 
   at::Tensor tokens_;
   BatchSamplerOptions options_;

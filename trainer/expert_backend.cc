@@ -94,6 +94,16 @@ class InProcessBackend final : public ExpertBackend {
     return out;
   }
 
+  std::vector<at::Tensor> LocalParameters() const override {
+    std::vector<at::Tensor> params;
+    for (const auto& layers : groups_) {
+      for (const auto& group : layers) {
+        for (const auto& [name, t] : group->named_parameters()) params.push_back(t);
+      }
+    }
+    return params;
+  }
+
   absl::StatusOr<double> GradNormSquared() override {
     double total = 0;
     for (const auto& o : optimizers_) total += o->GradNormSquared();

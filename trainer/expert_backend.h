@@ -71,6 +71,9 @@ class ExpertBackend {
   virtual std::vector<RowTraffic> Traffic() const { return {}; }
   // Remote groups only (zero in process).
   virtual ForwardWaits Waits() const { return {}; }
+  // The experts' parameters when they live in this process, whose gradients
+  // a data-parallel step sums over the ranks; empty for remote groups.
+  virtual std::vector<at::Tensor> LocalParameters() const { return {}; }
   // Sum over every expert shard of ||grad||^2.
   virtual absl::StatusOr<double> GradNormSquared() = 0;
   // AdamW on every shard with the gradients scaled by `grad_scale` (the global

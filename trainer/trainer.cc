@@ -84,7 +84,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
         "trainer: steps, batch_size, grad_accum, micro_batches_in_flight >= 1; lr, min_lr, "
         "warmup_steps, weight_decay, grad_clip >= 0");
   }
+  if (o.data_parallel != nullptr && o.remote_experts && o.data_parallel->world_size() > 1) {
+    return absl::UnimplementedError(
+        "trainer: more than one rank trains with experts in process only (--experts=inprocess)");
+  }
   std::unique_ptr<Trainer> t(new Trainer(o));
+  t->data_parallel_ = o.data_parallel;
   HIMOE_ASSIGN_OR_RETURN(t->corpus_, Corpus::Create(o.data));
   TrainerOptions& opts = t->options_;
   opts.model.vocab_size = t->corpus_->vocab_size();
@@ -126,8 +131,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   } else {
     HIMOE_ASSIGN_OR_RETURN(t->experts_, CreateInProcessBackend(bo));
   }
-  HIMOE_ASSIGN_OR_RETURN(t->moe_,
-                         BackendMoE::Create(opts.model, t->experts_.get(), t->turns_.get()));
+  HIMOE_ASSIGN_OR_RETURN(
+      t->moe_, BackendMoE::Create(opts.model, t->experts_.get(), t->turns_.get(), o.data_parallel,
+                                  std::max(1, t->lanes_in_flight_)));
   HIMOE_ASSIGN_OR_RETURN(t->model_, model::TransformerLM::Create(opts.model, t->moe_.get()));
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     std::vector<torch::optim::OptimizerParamGroup> groups;
@@ -204,13 +210,75 @@ void AccumulateGradients(const std::vector<at::Tensor>& params,
 
 }  // namespace
 
+Batch Trainer::NextBatch() {
+  Batch mine;
+  for (int q = 0; q < world_size(); ++q) {
+    if (q == rank()) {
+      mine = sampler_->Next();
+    } else {
+      sampler_->Skip();
+    }
+  }
+  return mine;
+}
+
+absl::Status Trainer::SumOverRanks(StepResult& r) {
+  if (world_size() == 1) return absl::OkStatus();
+  HIMOE_PROFILE_SCOPE("all-reduce");
+  std::vector<at::Tensor> params;
+  for (const auto& p : model_->parameters()) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+  for (const at::Tensor& p : experts_->LocalParameters()) params.push_back(p);
+  std::vector<at::Tensor> sums;
+  std::vector<float> defined(params.size(), 0.0f);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& grad = params[i].grad();
+    if (grad.defined()) defined[i] = 1.0f;
+    sums.push_back(!grad.defined()        ? at::zeros_like(params[i])
+                   : grad.is_contiguous() ? grad
+                                          : grad.contiguous());
+  }
+  const at::Tensor defined_anywhere = at::tensor(defined);
+  sums.push_back(defined_anywhere);
+  HIMOE_RETURN_IF_ERROR(data_parallel_->AllReduceSum(sums));
+  {
+    at::NoGradGuard no_grad;
+    const float* anywhere = defined_anywhere.data_ptr<float>();
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor& grad = params[i].mutable_grad();
+      if (anywhere[i] == 0.0f) {
+        grad.reset();
+      } else if (!grad.defined()) {
+        grad = sums[i];
+      } else if (!sums[i].is_same(grad)) {
+        grad.copy_(sums[i]);
+      }
+    }
+  }
+  // The step's means and tokens over every rank's micro-batches.
+  const at::Tensor totals = at::tensor(std::vector<double>{
+      r.loss, r.task, r.load, r.intra, r.inter, r.z, r.balance, static_cast<double>(r.tokens)});
+  HIMOE_RETURN_IF_ERROR(data_parallel_->AllReduceSum({totals}));
+  const double* t = totals.data_ptr<double>();
+  r.loss = t[0];
+  r.task = t[1];
+  r.load = t[2];
+  r.intra = t[3];
+  r.inter = t[4];
+  r.z = t[5];
+  r.balance = t[6];
+  r.tokens = static_cast<int64_t>(t[7]);
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::MicroBatchesAtOnce(uint64_t step, StepResult& r) {
   const int n = options_.grad_accum;
-  const double accum = n;
+  const double accum = n * world_size();
   std::vector<Batch> batches(n);
   {
     HIMOE_PROFILE_SCOPE("data");
-    for (Batch& batch : batches) batch = sampler_->Next();
+    for (Batch& batch : batches) batch = NextBatch();
   }
   std::vector<at::Tensor> params;
   for (const auto& p : model_->parameters()) {
@@ -280,7 +348,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
   StepResult r;
   r.step = step_ + 1;
   r.lr = CosineLearningRate(options_, step_);
-  const double accum = options_.grad_accum;
+  const double accum = options_.grad_accum * world_size();
   const std::vector<RowTraffic> traffic_before = experts_->Traffic();
   const ForwardWaits waits_before = experts_->Waits();
   // Route() moves the routers' state in training (the EMA, the controller,
@@ -307,7 +375,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
         Batch batch;
         {
           HIMOE_PROFILE_SCOPE("data");
-          batch = sampler_->Next();
+          batch = NextBatch();
         }
         HIMOE_ASSIGN_OR_RETURN(
             model::ModelOutput out,
@@ -317,6 +385,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
         AddMicroBatch(std::move(out), loss, batch.x.numel(), accum, r);
       }
     }
+    HIMOE_RETURN_IF_ERROR(SumOverRanks(r));
     // One clip scale over every shard: dense here, experts on the groups.
     HIMOE_PROFILE_SCOPE("grad norm, optimizer");
     double norm2 = 0;

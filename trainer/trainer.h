@@ -14,6 +14,7 @@
 #include "router_service/routing/router_layer.h"
 #include "trainer/backend_moe.h"
 #include "trainer/data.h"
+#include "trainer/data_parallel.h"
 #include "trainer/expert_backend.h"
 #include "trainer/micro_batch_turns.h"
 
@@ -57,6 +58,13 @@ struct TrainerOptions {
   // in micro-batch order, so the step is the sequential one bit for bit; each
   // micro-batch in flight holds its activations. 1 = one at a time.
   int micro_batches_in_flight = 2;
+  // One rank of several (not owned; null = the only one): its batches are
+  // its share of the sequence one rank would draw for grad_accum x
+  // world_size micro-batches (micro-batch a*world_size + rank of the step),
+  // the gradients and the step's losses are summed over the ranks, and the
+  // routers move as in that one rank (BackendMoE::RouteTraining). Needs
+  // lanes >= micro_batches_in_flight.
+  DataParallel* data_parallel = nullptr;
   // Remote experts: (group, RPC, seconds) of every call, from gRPC threads.
   std::function<void(int, const std::string&, double)> on_rpc;
 
@@ -149,12 +157,18 @@ class Trainer {
   // TrainerOptions::micro_batches_in_flight): 1 in process or without
   // accumulation.
   int micro_batches_in_flight() const { return lanes_ == nullptr ? 1 : lanes_in_flight_; }
+  int rank() const { return data_parallel_ == nullptr ? 0 : data_parallel_->rank(); }
+  int world_size() const { return data_parallel_ == nullptr ? 1 : data_parallel_->world_size(); }
 
  private:
   explicit Trainer(const TrainerOptions& options);
   // The step's micro-batches, micro_batches_in_flight() at once: forward,
   // backward, and their losses and tokens added to `r`.
   absl::Status MicroBatchesAtOnce(uint64_t step, StepResult& r);
+  // This rank's next batch (see TrainerOptions::data_parallel).
+  Batch NextBatch();
+  // Across ranks: every gradient and the step's losses and tokens summed.
+  absl::Status SumOverRanks(StepResult& r);
 
   TrainerOptions options_;
   std::unique_ptr<Corpus> corpus_;
@@ -171,6 +185,7 @@ class Trainer {
   std::unique_ptr<MicroBatchTurns> turns_;
   std::unique_ptr<ComputePool> lanes_;
   int lanes_in_flight_ = 1;
+  DataParallel* data_parallel_ = nullptr;
 };
 
 }  // namespace himoe::trainer

@@ -163,6 +163,35 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags(const TrainerFlags& f) {
   return o;
 }
 
+absl::StatusOr<DataParallelOptions> DataParallelOptionsFromFlags(const TrainerFlags& f) {
+  HIMOE_ASSIGN_OR_RETURN(DataParallelOptions o,
+                         DataParallelOptionsFromEnvironment(DataParallelOptions()));
+  if (f.world_size < 0)
+    return Refuse("world_size", "a rank count >= 1, or 0", absl::StrCat(f.world_size));
+  if (f.world_size > 0) o.world_size = f.world_size;
+  if (f.rank >= 0) o.rank = f.rank;
+  if (o.rank >= o.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("--rank: ", o.rank,
+                                                   " is not below the world size ", o.world_size,
+                                                   " (--world_size or WORLD_SIZE)"));
+  }
+  if (!f.master_addr.empty()) o.master_addr = f.master_addr;
+  if (f.master_port > 65535) {
+    return Refuse("master_port", "a port in 1..65535, or -1", absl::StrCat(f.master_port));
+  }
+  if (f.master_port >= 0) o.master_port = f.master_port;
+  if (f.dist_timeout_s < 1) {
+    return Refuse("dist_timeout_s", "seconds >= 1", absl::StrCat(f.dist_timeout_s));
+  }
+  o.timeout = std::chrono::seconds(f.dist_timeout_s);
+  if (o.world_size > 1 && f.experts != "inprocess") {
+    return absl::UnimplementedError(absl::StrCat(
+        "--experts=", f.experts, ": ", o.world_size,
+        " data-parallel ranks train with experts in process only (--experts=inprocess)"));
+  }
+  return o;
+}
+
 absl::StatusOr<ComputeOptions> ComputeOptionsFromFlags(const TrainerFlags& f) {
   ComputeOptions c;
   c.threads = f.threads;

@@ -13,6 +13,7 @@
 #include "common/compute_setup.h"
 #include "common/tls_files.h"
 #include "model/model_config.h"
+#include "trainer/data_parallel.h"
 #include "trainer/trainer.h"
 
 namespace himoe::trainer {
@@ -94,6 +95,15 @@ struct TrainerFlags {
   TlsFiles tls;
   int group_wait_s = 300;
   int64_t log_every = 10;
+  // Data parallel: this process's rank of world_size; -1 / 0 = the
+  // torchrun environment's (RANK, WORLD_SIZE), else 0 of 1. The rendezvous
+  // at master_addr:master_port (empty / -1 = MASTER_ADDR, MASTER_PORT, else
+  // 127.0.0.1:29500).
+  int rank = -1;
+  int world_size = 0;
+  std::string master_addr;
+  int master_port = -1;
+  int dist_timeout_s = 300;
 };
 
 // InvalidArgument naming the flag for what is refused before anything
@@ -114,6 +124,11 @@ absl::StatusOr<router::RoutingConfig> RoutingConfigFromFlags(const TrainerFlags&
 // The trainer's options before the experts are placed (TrainingRun places
 // them): model, routing, data, schedule, wire.
 absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags(const TrainerFlags& flags);
+
+// Where this process sits among the trainer ranks: the flags over the
+// torchrun environment; an error naming the flag or variable that is out of
+// range.
+absl::StatusOr<DataParallelOptions> DataParallelOptionsFromFlags(const TrainerFlags& flags);
 
 // How this process sets up compute: --threads (0 = the cores the local
 // expert processes, or the cluster file's services on this host, leave), the

@@ -136,6 +136,18 @@ ABSL_FLAG(int, max_group_restarts, 3, "group failures wait_and_resume recovers f
 ABSL_FLAG(int, group_wait_s, 300,
           "wait_and_resume: seconds to wait for the groups to serve again");
 ABSL_FLAG(int64_t, log_every, 10, "progress line every N steps when not on a terminal");
+ABSL_FLAG(int, rank, -1,
+          "data parallel: this process's rank; -1 = $RANK, else 0. Rank 0 evaluates, "
+          "checkpoints and prints the progress; each rank trains on its share of every step's "
+          "batches");
+ABSL_FLAG(int, world_size, 0, "data parallel: the number of ranks; 0 = $WORLD_SIZE, else 1");
+ABSL_FLAG(std::string, master_addr, "",
+          "data parallel: the rendezvous host (c10d TCPStore, served by rank 0 unless "
+          "$TORCHELASTIC_USE_AGENT_STORE); empty = $MASTER_ADDR, else 127.0.0.1");
+ABSL_FLAG(int, master_port, -1,
+          "data parallel: the rendezvous port; -1 = $MASTER_PORT, else 29500");
+ABSL_FLAG(int, dist_timeout_s, 300,
+          "data parallel: seconds the rendezvous and each collective wait for the other ranks");
 
 namespace himoe::trainer {
 namespace {
@@ -235,6 +247,11 @@ void ReadRunFlags(TrainerFlags& f) {
   f.max_group_restarts = absl::GetFlag(FLAGS_max_group_restarts);
   f.group_wait_s = absl::GetFlag(FLAGS_group_wait_s);
   f.log_every = absl::GetFlag(FLAGS_log_every);
+  f.rank = absl::GetFlag(FLAGS_rank);
+  f.world_size = absl::GetFlag(FLAGS_world_size);
+  f.master_addr = absl::GetFlag(FLAGS_master_addr);
+  f.master_port = absl::GetFlag(FLAGS_master_port);
+  f.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
   const ServiceFlags service = GetServiceFlags();
   f.threads = service.threads;
   f.blas_probe = service.blas_probe;

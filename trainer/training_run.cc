@@ -1,6 +1,7 @@
 #include "trainer/training_run.h"
 
 #include <glog/logging.h>
+#include <ATen/ATen.h>
 #include <prometheus/registry.h>
 #include <string.h>
 #include <unistd.h>
@@ -100,6 +101,25 @@ absl::StatusOr<std::unique_ptr<TrainingRun>> TrainingRun::Create(
     return absl::UnavailableError(absl::StrCat("--out_dir ", flags.out_dir, ": ", s.message()));
   }
   run->checkpoints_ = absl::StrCat(flags.out_dir, "/checkpoints");
+  run->log_dir_ = flags.out_dir;
+  HIMOE_ASSIGN_OR_RETURN(DataParallelOptions ranks, DataParallelOptionsFromFlags(flags));
+  if (ranks.world_size > 1) {
+    ranks.on_listening = [](int port) {
+      std::cerr << "rendezvous: serving on port " << port << "\n";
+    };
+    std::cerr << "rank " << ranks.rank << " of " << ranks.world_size << ": joining at "
+              << ranks.master_addr << ":" << ranks.master_port << "\n";
+    HIMOE_ASSIGN_OR_RETURN(
+        run->data_parallel_,
+        DataParallel::Create(ranks, RunConfigFor(run->options_, 0).ShortDebugString()));
+    run->options_.data_parallel = run->data_parallel_.get();
+    if (ranks.rank > 0) {
+      run->log_dir_ = JoinPath(flags.out_dir, absl::StrCat("rank", ranks.rank));
+      if (absl::Status s = CreateDirectories(run->log_dir_); !s.ok()) {
+        return absl::UnavailableError(absl::StrCat(run->log_dir_, ": ", s.message()));
+      }
+    }
+  }
   HIMOE_RETURN_IF_ERROR(run->PlaceExperts());
   if (registry != nullptr) {
     // Before the trainer, so that the RPC latencies of the first step are seen.
@@ -172,6 +192,7 @@ absl::Status TrainingRun::UseClusterExperts() {
 }
 
 absl::StatusOr<double> TrainingRun::Evaluate(int64_t step) {
+  if (!lead()) return std::nan("");  // rank 0's
   HIMOE_ASSIGN_OR_RETURN(const EvalResult val, trainer_->Evaluate());
   log_->OnEval(step, val);
   if (metrics_ != nullptr) metrics_->OnEval(val);
@@ -193,13 +214,15 @@ absl::StatusOr<double> TrainingRun::Start(bool resume) {
   }
   const std::optional<int64_t> resumed_at =
       resume ? std::optional<int64_t>(trainer_->step()) : std::nullopt;
-  HIMOE_ASSIGN_OR_RETURN(log_, RunLog::Create(absl::StrCat(flags_.out_dir, "/metrics.jsonl"),
+  HIMOE_ASSIGN_OR_RETURN(log_, RunLog::Create(absl::StrCat(log_dir_, "/metrics.jsonl"),
                                               options_.steps, 50, resumed_at));
   log_->OnConfig(RunConfigFor(trainer_->options(), trainer_->step()));
   log_->OnCompute(compute_, trainer_->flops_per_token());
   HIMOE_ASSIGN_OR_RETURN(const double val, Evaluate(trainer_->step()));
-  std::cerr << absl::StrFormat("step %d: val loss %.4f, val ppl %.3f\n", trainer_->step(), val,
-                               std::exp(val));
+  if (lead()) {
+    std::cerr << absl::StrFormat("step %d: val loss %.4f, val ppl %.3f\n", trainer_->step(), val,
+                                 std::exp(val));
+  }
   return val;
 }
 
@@ -238,7 +261,8 @@ absl::StatusOr<double> TrainingRun::TrainLoop(double val) {
     pids.insert(pids.end(), spawned_->pids().begin(), spawned_->pids().end());
   StepCpu cpu(pids);
   while (trainer_->step() < o.steps) {
-    if (const int sig = PendingStopSignal(); sig != 0) {
+    HIMOE_ASSIGN_OR_RETURN(const int sig, AgreedStopSignal());
+    if (sig != 0) {
       if (tty) std::cerr << "\n";
       return StopOnSignal(sig);
     }
@@ -285,6 +309,7 @@ absl::StatusOr<double> TrainingRun::AfterStep(const StepResult& r, bool eval, bo
   if (eval) {
     HIMOE_ASSIGN_OR_RETURN(val, Evaluate(r.step));
   }
+  if (!lead()) return val;
   if (checkpoint) HIMOE_RETURN_IF_ERROR(SaveCheckpointNow());
   if (isatty(STDERR_FILENO)) {
     std::cerr << "\r\033[K" << log_->ProgressLine() << std::flush;
@@ -314,7 +339,7 @@ absl::Status TrainingRun::StopOnSignal(int sig) {
   const int64_t step = trainer_->step();
   std::string saved;  // empty: no checkpoint to resume from
   if (flags_.checkpoint_every > 0) {
-    if (step > checkpointed_step_) {
+    if (step > checkpointed_step_ && lead()) {
       HIMOE_RETURN_IF_ERROR(SaveCheckpoint(*trainer_, checkpoints_, flags_.keep_checkpoints));
       saved = JoinPath(checkpoints_, model::CheckpointDirName(step));
     } else if (step > 0) {
@@ -329,6 +354,18 @@ absl::Status TrainingRun::StopOnSignal(int sig) {
   }
   return absl::CancelledError(absl::StrCat("stopped by ", SignalName(sig), " after step ", step,
                                            " of ", options_.steps, resume));
+}
+
+absl::StatusOr<int> TrainingRun::AgreedStopSignal() {
+  const int sig = PendingStopSignal();
+  if (data_parallel_ == nullptr) return sig;
+  at::Tensor signals = at::zeros({data_parallel_->world_size()}, at::kDouble);
+  signals[data_parallel_->rank()] = sig;
+  HIMOE_RETURN_IF_ERROR(data_parallel_->AllReduceSum({signals}));
+  for (int r = 0; r < data_parallel_->world_size(); ++r) {
+    if (const int s = static_cast<int>(signals[r].item<double>()); s != 0) return s;
+  }
+  return 0;
 }
 
 absl::Status TrainingRun::WaitForGroups() {
@@ -376,6 +413,11 @@ absl::Status TrainingRun::WaitForGroups() {
 }
 
 absl::Status TrainingRun::Report() {
+  if (!lead()) {
+    std::cerr << "rank " << data_parallel_->rank() << ": trained to step " << trainer_->step()
+              << "; run log " << log_dir_ << "/metrics.jsonl\n";
+    return absl::OkStatus();
+  }
   std::cerr << "\n" << log_->FinalReport();
   HIMOE_ASSIGN_OR_RETURN(const int64_t coordinator_rss, PeakRssBytes());
   std::vector<int64_t> expert_rss;

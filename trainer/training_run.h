@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/compute_setup.h"
+#include "trainer/data_parallel.h"
 #include "trainer/run_log.h"
 #include "trainer/trainer.h"
 #include "trainer/trainer_flags.h"
@@ -77,8 +78,18 @@ class TrainingRun {
   // up to --group_wait_s.
   absl::Status WaitForGroups();
 
+  bool lead() const { return data_parallel_ == nullptr || data_parallel_->rank() == 0; }
+  // The stop signal any rank got since the last step (each rank's, summed
+  // over the ranks), so that every rank stops after the same step.
+  absl::StatusOr<int> AgreedStopSignal();
+
   TrainerFlags flags_;
   ComputeSetup compute_;
+  // One rank of several (--world_size > 1): rank 0 evaluates, checkpoints
+  // and prints; every rank writes its run log (<out_dir>/rank<r>/ but rank
+  // 0's) and resumes from <out_dir>/checkpoints.
+  std::unique_ptr<DataParallel> data_parallel_;
+  std::string log_dir_;
   TrainerOptions options_;
   std::string checkpoints_;
   std::unique_ptr<local::LocalExpertCluster> spawned_;

@@ -2,7 +2,12 @@
 // the messages of refused flags.
 #include "trainer/trainer_flags.h"
 
+#include <chrono>
+#include <cstdlib>
+#include <initializer_list>
+#include <optional>
 #include <string>
+#include <utility>
 #include <tuple>
 #include <vector>
 
@@ -223,6 +228,81 @@ TEST(TrainerFlagsTest, OnGroupFailureByMode) {
   f.experts = "local";
   f.on_group_failure = "fail";
   EXPECT_FALSE(WaitAndResume(f));
+}
+
+// Sets environment variables for a scope, then restores them.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(std::initializer_list<std::pair<std::string, std::string>> vars) {
+    for (const auto& [name, value] : vars) {
+      const char* old = std::getenv(name.c_str());
+      saved_.emplace_back(
+          name, old == nullptr ? std::optional<std::string>() : std::optional<std::string>(old));
+      setenv(name.c_str(), value.c_str(), 1);
+    }
+  }
+  ~ScopedEnv() {
+    for (const auto& [name, old] : saved_) {
+      if (old.has_value()) {
+        setenv(name.c_str(), old->c_str(), 1);
+      } else {
+        unsetenv(name.c_str());
+      }
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+TEST(TrainerFlagsTest, RanksFromTorchrunEnvironmentAndFlags) {
+  TrainerFlags f;
+  f.experts = "inprocess";
+  {
+    const ScopedEnv env({{"RANK", "1"},
+                         {"WORLD_SIZE", "3"},
+                         {"MASTER_ADDR", "10.0.0.7"},
+                         {"MASTER_PORT", "29611"},
+                         {"TORCHELASTIC_USE_AGENT_STORE", "True"}});
+    absl::StatusOr<DataParallelOptions> o = DataParallelOptionsFromFlags(f);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->rank, 1);
+    EXPECT_EQ(o->world_size, 3);
+    EXPECT_EQ(o->master_addr, "10.0.0.7");
+    EXPECT_EQ(o->master_port, 29611);
+    EXPECT_TRUE(o->store_hosted);
+    EXPECT_EQ(o->timeout, std::chrono::seconds(300));
+    // The flags win over the environment.
+    f.rank = 2;
+    f.master_addr = "127.0.0.1";
+    f.master_port = 0;
+    f.dist_timeout_s = 9;
+    o = DataParallelOptionsFromFlags(f);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->rank, 2);
+    EXPECT_EQ(o->master_addr, "127.0.0.1");
+    EXPECT_EQ(o->master_port, 0);
+    EXPECT_EQ(o->timeout, std::chrono::seconds(9));
+    f.rank = 3;
+    EXPECT_THAT(std::string(DataParallelOptionsFromFlags(f).status().message()),
+                HasSubstr("--rank: 3 is not below the world size 3"));
+    f.rank = -1;
+    f.experts = "local";
+    EXPECT_TRUE(absl::IsUnimplemented(DataParallelOptionsFromFlags(f).status()));
+  }
+  {
+    const ScopedEnv env({{"WORLD_SIZE", "two"}});
+    EXPECT_THAT(std::string(DataParallelOptionsFromFlags(f).status().message()),
+                HasSubstr("environment variable WORLD_SIZE: expected an integer in [1, 65536], "
+                          "got 'two'"));
+  }
+  const ScopedEnv none(
+      {{"RANK", ""}, {"WORLD_SIZE", ""}, {"MASTER_ADDR", ""}, {"MASTER_PORT", ""}});
+  absl::StatusOr<DataParallelOptions> alone = DataParallelOptionsFromFlags(TrainerFlags());
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  EXPECT_EQ(alone->world_size, 1);
+  EXPECT_EQ(alone->rank, 0);
+  EXPECT_EQ(alone->master_port, 29500);
 }
 
 TEST(TrainerFlagsTest, ComputeOptions) {
