@@ -248,12 +248,13 @@ absl::StatusOr<v1::ExpertAbortResponse> ExpertGroupClient::Abort(uint64_t step,
 }
 
 absl::StatusOr<v1::BeginRunResponse> ExpertGroupClient::BeginRun(const std::string& run_id,
-                                                                 bool take_over) {
+                                                                 bool take_over, int world_size) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
   v1::BeginRunRequest request;
   request.set_run_id(run_id);
   request.set_take_over(take_over);
+  request.set_world_size(static_cast<uint32_t>(world_size));
   v1::BeginRunResponse response;
   const grpc::Status status = stubs_[0]->BeginRun(&context, request, &response);
   if (!status.ok()) return Named(status, 0);

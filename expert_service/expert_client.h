@@ -63,7 +63,8 @@ class ExpertGroupClient {
   // Blocking calls (first address; Info fails over).
   absl::StatusOr<v1::ExpertInfoResponse> Info();
   absl::StatusOr<v1::ExpertAbortResponse> Abort(uint64_t step, const std::string& run_id = "");
-  absl::StatusOr<v1::BeginRunResponse> BeginRun(const std::string& run_id, bool take_over = false);
+  absl::StatusOr<v1::BeginRunResponse> BeginRun(const std::string& run_id, bool take_over = false,
+                                                int world_size = 1);
   // The group's state (ExpertServiceCore::GetState names), streamed in chunks.
   absl::StatusOr<std::vector<NamedTensor>> GetState(bool include_optimizer);
   // Streams `state` in chunks of chunk_bytes; the service applies all of it

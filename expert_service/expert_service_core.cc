@@ -95,6 +95,7 @@ absl::StatusOr<std::unique_ptr<ExpertServiceCore>> ExpertServiceCore::Create(
   for (const auto& group : core->groups_) {
     for (const auto& [name, tensor] : group->named_parameters()) {
       core->parameters_.emplace(absl::StrCat("layer", group->layer(), ".", name), tensor);
+      core->grad_params_.push_back(tensor);
     }
     optimized.push_back(group.get());
   }
@@ -281,7 +282,10 @@ absl::Status ExpertServiceCore::ComputeCombined(const v1::ExpertForwardRequest& 
                                                 v1::ExpertForwardResponse* response) {
   const bool save = saved != nullptr;
   std::shared_lock<std::shared_mutex> lock(state_mutex_);
-  if (save) HIMOE_RETURN_IF_ERROR(CheckRun("Forward", request.step(), request.run_id()));
+  if (save) {
+    HIMOE_RETURN_IF_ERROR(CheckRanks("Forward", request.step(), request.run_id(),
+                                     request.world_size(), request.rank()));
+  }
   response->set_weights_fingerprint(weights_fingerprint());
   return CatchTorchErrors([&]() -> absl::Status {
     at::AutoGradMode grad_mode(save);
@@ -319,7 +323,10 @@ absl::Status ExpertServiceCore::ComputeForward(const v1::ExpertForwardRequest& r
   const bool save = saved != nullptr;
   const int n_inputs = static_cast<int>(rows.size());
   std::shared_lock<std::shared_mutex> lock(state_mutex_);
-  if (save) HIMOE_RETURN_IF_ERROR(CheckRun("Forward", request.step(), request.run_id()));
+  if (save) {
+    HIMOE_RETURN_IF_ERROR(CheckRanks("Forward", request.step(), request.run_id(),
+                                     request.world_size(), request.rank()));
+  }
   // Under the lock: the weights that compute these outputs.
   response->set_weights_fingerprint(weights_fingerprint());
   return CatchTorchErrors([&]() -> absl::Status {
@@ -385,7 +392,8 @@ absl::Status ExpertServiceCore::Backward(v1::ExpertBackwardRequest* request_ptr,
     // A BeginRun after this check changes weights_version, which RunBackward
     // checks.
     std::shared_lock<std::shared_mutex> lock(state_mutex_);
-    HIMOE_RETURN_IF_ERROR(CheckRun("Backward", request.step(), request.run_id()));
+    HIMOE_RETURN_IF_ERROR(CheckRanks("Backward", request.step(), request.run_id(),
+                                     request.world_size(), request.rank()));
   }
   HIMOE_ASSIGN_OR_RETURN(SavedForward saved, saved_.Take(key));
   // `saved` (and its graph) is freed on every path out of here.
@@ -417,7 +425,8 @@ absl::Status ExpertServiceCore::BackwardImpl(const SavedKey& key, SavedForward& 
                              " (outputs[", i, "] of the saved Forward)"));
           },
           saved.rows, shared_.get()));
-  HIMOE_ASSIGN_OR_RETURN(const at::Tensor input_grad, RunBackward(key, saved, grads));
+  HIMOE_ASSIGN_OR_RETURN(const at::Tensor input_grad,
+                         RunBackward(key, saved, static_cast<int>(request->rank()), grads));
   HIMOE_ASSIGN_OR_RETURN(
       TensorSink sink,
       TensorSink::Create(request->has_output_slice() ? &request->output_slice() : nullptr,
@@ -452,7 +461,8 @@ absl::Status ExpertServiceCore::CombinedBackward(const SavedKey& key, SavedForwa
   HIMOE_ASSIGN_OR_RETURN(const at::Tensor grad,
                          DecodeRowTensor(request->mutable_combined_grad(), "combined_grad",
                                          options_.shape.d_model(), saved.rows[0], shared_.get()));
-  HIMOE_ASSIGN_OR_RETURN(const at::Tensor input_grad, RunBackward(key, saved, {grad}));
+  HIMOE_ASSIGN_OR_RETURN(const at::Tensor input_grad,
+                         RunBackward(key, saved, static_cast<int>(request->rank()), {grad}));
   HIMOE_ASSIGN_OR_RETURN(
       TensorSink sink,
       TensorSink::Create(request->has_output_slice() ? &request->output_slice() : nullptr,
@@ -469,8 +479,8 @@ absl::Status ExpertServiceCore::CombinedBackward(const SavedKey& key, SavedForwa
   });
 }
 
-absl::StatusOr<at::Tensor> ExpertServiceCore::RunBackward(const SavedKey& key,
-                                                          SavedForward& saved,
+absl::StatusOr<at::Tensor> ExpertServiceCore::RunBackward(const SavedKey& key, SavedForward& saved,
+                                                          int rank,
                                                           const std::vector<at::Tensor>& grads) {
   at::Tensor input_grad;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
@@ -489,8 +499,12 @@ absl::StatusOr<at::Tensor> ExpertServiceCore::RunBackward(const SavedKey& key,
     std::lock_guard<std::mutex> grad_lock(grad_mutex_);
     // Earlier Backwards' weight gradients first: the grads sum in call order.
     HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
-    DeferWeightGradsScope defer(options_.defer_weight_grads ? &pending_weight_grads_ : nullptr);
-    torch::autograd::backward({saved.output}, {grad_output});
+    UseRankGradsLocked(rank);
+    {
+      DeferWeightGradsScope defer(options_.defer_weight_grads ? &pending_weight_grads_ : nullptr);
+      torch::autograd::backward({saved.output}, {grad_output});
+    }
+    pending_ranks_.resize(pending_weight_grads_.size(), rank);
     input_grad = saved.input.grad();
     return absl::OkStatus();
   }));
@@ -505,10 +519,13 @@ absl::StatusOr<at::Tensor> ExpertServiceCore::RunBackward(const SavedKey& key,
 absl::Status ExpertServiceCore::RunPendingWeightGradsLocked() {
   DeferredWeightGrads pending;
   pending.swap(pending_weight_grads_);
-  for (const auto& work : pending) {
+  std::vector<int> ranks;
+  ranks.swap(pending_ranks_);
+  for (size_t k = 0; k < pending.size(); ++k) {
     if (!weight_grads_error_.ok()) break;
     weight_grads_error_ = CatchTorchErrors([&] {
-      work();
+      UseRankGradsLocked(k < ranks.size() ? ranks[k] : 0);
+      pending[k]();
       return absl::OkStatus();
     });
   }
@@ -521,7 +538,46 @@ absl::Status ExpertServiceCore::RunPendingWeightGradsLocked() {
 void ExpertServiceCore::DropPendingWeightGrads() {
   std::lock_guard<std::mutex> grad_lock(grad_mutex_);
   pending_weight_grads_.clear();
+  pending_ranks_.clear();
   weight_grads_error_ = absl::OkStatus();
+  // The grads the parameters hold are zeroed next; they are rank 0's then.
+  parked_grads_.clear();
+  grads_rank_ = 0;
+}
+
+void ExpertServiceCore::UseRankGradsLocked(int rank) {
+  if (rank == grads_rank_) return;
+  const size_t ranks = static_cast<size_t>(std::max(rank, grads_rank_)) + 1;
+  if (parked_grads_.size() < ranks) parked_grads_.resize(ranks);
+  std::vector<at::Tensor>& park = parked_grads_[grads_rank_];
+  std::vector<at::Tensor>& take = parked_grads_[rank];
+  park.resize(grad_params_.size());
+  take.resize(grad_params_.size());
+  for (size_t i = 0; i < grad_params_.size(); ++i) {
+    park[i] = grad_params_[i].grad();
+    grad_params_[i].mutable_grad() = std::move(take[i]);
+    take[i] = at::Tensor();
+  }
+  grads_rank_ = rank;
+}
+
+void ExpertServiceCore::FoldRankGradsLocked() {
+  if (parked_grads_.empty()) return;
+  UseRankGradsLocked(0);
+  at::NoGradGuard no_grad;
+  for (size_t r = 1; r < parked_grads_.size(); ++r) {
+    for (size_t i = 0; i < parked_grads_[r].size(); ++i) {
+      const at::Tensor& g = parked_grads_[r][i];
+      if (!g.defined()) continue;
+      at::Tensor& grad = grad_params_[i].mutable_grad();
+      if (grad.defined()) {
+        grad.add_(g);
+      } else {
+        grad = g;
+      }
+    }
+  }
+  parked_grads_.clear();
 }
 
 absl::Status ExpertServiceCore::RunPendingWeightGrads() {
@@ -545,6 +601,7 @@ absl::Status ExpertServiceCore::Step(const v1::ExpertStepRequest& request,
       std::lock_guard<std::mutex> grad_lock(grad_mutex_);
       HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
       HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+        FoldRankGradsLocked();
         norm = optimizer_->GradNormSquared();
         return absl::OkStatus();
       }));
@@ -562,10 +619,15 @@ absl::Status ExpertServiceCore::Step(const v1::ExpertStepRequest& request,
   options.beta2 = request.beta2();
   options.eps = request.eps();
   std::unique_lock<std::shared_mutex> lock(state_mutex_);
-  HIMOE_RETURN_IF_ERROR(CheckRun("Step", request.step(), request.run_id()));
+  HIMOE_RETURN_IF_ERROR(
+      CheckRanks("Step", request.step(), request.run_id(), request.world_size(), 0));
   {
     std::lock_guard<std::mutex> grad_lock(grad_mutex_);
     HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
+    HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+      FoldRankGradsLocked();
+      return absl::OkStatus();
+    }));
   }
   HIMOE_ASSIGN_OR_RETURN(const OptimizerStepResult result, optimizer_->Step(options));
   last_applied_step_.store(result.last_applied_step, std::memory_order_relaxed);
@@ -602,6 +664,24 @@ absl::Status ExpertServiceCore::CheckRun(const char* rpc, uint64_t step,
       "' (begun since by another trainer, or never begun)"));
 }
 
+absl::Status ExpertServiceCore::CheckRanks(const char* rpc, uint64_t step,
+                                           const std::string& run_id, uint32_t world_size,
+                                           uint32_t rank) const {
+  HIMOE_RETURN_IF_ERROR(CheckRun(rpc, step, run_id));
+  const uint32_t world = std::max<uint32_t>(world_size, 1);
+  if (world != run_world_size_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("world_size: ", rpc, " of step ", step, " comes from ", world,
+                     " trainer rank(s), but run '", run_id_, "' on this group was begun for ",
+                     run_world_size_, " (every rank of a run needs the same world size)"));
+  }
+  if (rank >= world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank: ", rank, "; expected below world_size ", world));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ExpertServiceCore::BeginRun(const v1::BeginRunRequest& request,
                                          v1::BeginRunResponse* response) {
   response->Clear();
@@ -609,6 +689,11 @@ absl::Status ExpertServiceCore::BeginRun(const v1::BeginRunRequest& request,
   if (request.run_id().empty() || request.run_id().size() > kMaxRunId) {
     return absl::InvalidArgumentError(absl::StrCat("run_id: ", request.run_id().size(),
                                                    " bytes; expected 1 to ", kMaxRunId));
+  }
+  constexpr uint32_t kMaxWorldSize = 4096;
+  if (request.world_size() > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "world_size: ", request.world_size(), " trainer ranks; expected 0 to ", kMaxWorldSize));
   }
   // The seed's weights, built before taking the lock.
   std::vector<std::unique_ptr<ExpertGroup>> fresh;
@@ -644,6 +729,7 @@ absl::Status ExpertServiceCore::BeginRun(const v1::BeginRunRequest& request,
   weights_digest_ = seed_digest_;
   steps_since_digest_ = 0;
   run_id_ = request.run_id();
+  run_world_size_ = std::max<uint32_t>(request.world_size(), 1);
   served_ = false;
   return absl::OkStatus();
 }

@@ -198,7 +198,9 @@ class ExpertServiceCore {
                                 v1::ExpertBackwardRequest* request,
                                 v1::ExpertBackwardResponse* response);
   // dL/d(input) of a saved Forward; accumulates the parameter grads.
-  absl::StatusOr<at::Tensor> RunBackward(const SavedKey& key, SavedForward& saved,
+  // Backward of a saved Forward, its parameter gradients added to trainer
+  // rank `rank`'s sums.
+  absl::StatusOr<at::Tensor> RunBackward(const SavedKey& key, SavedForward& saved, int rank,
                                          const std::vector<at::Tensor>& grads);
   int num_layers() const { return options_.shape.num_layers(); }
   // Caller holds state_mutex_ (either side) and grad_mutex_: runs the
@@ -212,6 +214,17 @@ class ExpertServiceCore {
   // Caller holds state_mutex_ (either side): OK if `run_id` is the run begun
   // last.
   absl::Status CheckRun(const char* rpc, uint64_t step, const std::string& run_id) const;
+  // CheckRun, then the trainer ranks: `world_size` (0 = 1) must be the
+  // run's, `rank` below it. Under state_mutex_.
+  absl::Status CheckRanks(const char* rpc, uint64_t step, const std::string& run_id,
+                          uint32_t world_size, uint32_t rank) const;
+  // Makes the parameters' .grad hold rank `rank`'s sums, parking the rank's
+  // they held. Under grad_mutex_.
+  void UseRankGradsLocked(int rank);
+  // Every rank's sums added into the parameters' .grad, in rank order (so
+  // that they do not depend on the order the ranks' calls came in). Under
+  // grad_mutex_.
+  void FoldRankGradsLocked();
   // ExpertInfoResponse.weights_fingerprint. Caller holds state_mutex_.
   std::string weights_fingerprint() const;
   // SHA-256 of every parameter (names and bytes, in name order), 16 hex
@@ -231,6 +244,14 @@ class ExpertServiceCore {
   // Serializes parameter .grad accumulation (Backward) and reading it.
   mutable std::mutex grad_mutex_;
   DeferredWeightGrads pending_weight_grads_;  // guarded by grad_mutex_
+  std::vector<int> pending_ranks_;            // each one's trainer rank; grad_mutex_
+  // The parameters whose .grad Backward adds to, in a fixed order; the rank
+  // whose sums they hold, and every other rank's ([rank][parameter]).
+  // Guarded by grad_mutex_.
+  std::vector<at::Tensor> grad_params_;
+  int grads_rank_ = 0;
+  std::vector<std::vector<at::Tensor>> parked_grads_;
+  uint32_t run_world_size_ = 1;              // guarded by state_mutex_
   absl::Status weight_grads_error_;          // guarded by grad_mutex_
   // Bookkeeping only, so Info (const) sweeps it too.
   mutable SavedForwardStore saved_;

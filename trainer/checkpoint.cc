@@ -274,7 +274,9 @@ absl::Status Apply(Trainer& trainer, ValidatedCheckpoint& c, const std::string& 
   if (absl::Status s = trainer.sampler().RestoreState(c.files[kDataFile]); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(where, ": data.txt: ", s.message()));
   }
-  for (int g = 0; g < static_cast<int>(c.experts.size()); ++g) {
+  // Groups that ranks share are restored by rank 0.
+  const int restored = trainer.restores_experts() ? static_cast<int>(c.experts.size()) : 0;
+  for (int g = 0; g < restored; ++g) {
     const absl::Status s = trainer.experts().SetState(g, c.experts[g]);
     if (!s.ok()) {
       trainer.sampler().RestoreState(old_sampler).IgnoreError();

@@ -277,4 +277,35 @@ absl::Status DataParallel::Barrier() {
   return absl::OkStatus();
 }
 
+struct RendezvousStore::Impl {
+  c10::intrusive_ptr<c10d::TCPStore> store;
+};
+
+RendezvousStore::RendezvousStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RendezvousStore::~RendezvousStore() = default;
+
+int RendezvousStore::port() const { return impl_->store->getPort(); }
+
+absl::StatusOr<std::unique_ptr<RendezvousStore>> RendezvousStore::Serve(
+    int port, int world_size, std::chrono::milliseconds timeout) {
+  if (port < 0 || port > 65535 || world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rendezvous store: port ", port, " for ", world_size, " ranks"));
+  }
+  auto impl = std::make_unique<Impl>();
+  try {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(port);
+    so.isServer = true;
+    so.numWorkers = world_size;
+    so.waitWorkers = false;
+    so.timeout = timeout;
+    impl->store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("rendezvous store: cannot listen on port ", port, ": ", e.what()));
+  }
+  return std::unique_ptr<RendezvousStore>(new RendezvousStore(std::move(impl)));
+}
+
 }  // namespace himoe::trainer

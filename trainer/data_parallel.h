@@ -78,6 +78,22 @@ class DataParallel {
   std::unique_ptr<Impl> impl_;
 };
 
+// The rendezvous store a launcher serves for the ranks it starts (as
+// torchrun's agent does; the ranks then run with store_hosted): c10d's
+// TCPStore listening on `port` (0 = a free one) of every address.
+class RendezvousStore {
+ public:
+  static absl::StatusOr<std::unique_ptr<RendezvousStore>> Serve(int port, int world_size,
+                                                                std::chrono::milliseconds timeout);
+  ~RendezvousStore();
+  int port() const;
+
+ private:
+  struct Impl;
+  explicit RendezvousStore(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace himoe::trainer
 
 #endif  // HIMOE_TRAINER_DATA_PARALLEL_H_

@@ -175,7 +175,8 @@ struct RemoteCall {
   RemoteBackend* backend = nullptr;
   int layer = 0;
   uint64_t step = 0;
-  uint32_t micro_batch = 0;
+  uint32_t micro_batch = 0;       // this rank's (MicroBatchTurns)
+  uint32_t wire_micro_batch = 0;  // over every rank (the groups' key)
   std::vector<int> groups;  // groups that got rows, in order
   std::vector<GroupRows> sent;  // their assignment rows and expert ids (the rows and
                                 // weights are the autograd function's inputs)
@@ -220,10 +221,14 @@ class RemoteBackend final : public ExpertBackend {
           "Train on other groups, or pass --take_over_served_experts (the router then refuses "
           "the groups' answers)"));
     }
-    if (!o.run_id.empty()) {
+    if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("trainer: rank ", o.rank, " of world size ", o.world_size));
+    }
+    if (!o.run_id.empty() && o.begin_run) {
       for (const auto& client : b->clients_) {
         HIMOE_ASSIGN_OR_RETURN(const v1::BeginRunResponse begun,
-                               client->BeginRun(o.run_id, o.take_over_served));
+                               client->BeginRun(o.run_id, o.take_over_served, o.world_size));
         if (!begun.previous_run_id().empty() || begun.freed() > 0) {
           LOG(INFO) << "expert group " << client->group_id() << ": run " << o.run_id
                     << " replaces run '" << begun.previous_run_id() << "' (last applied step "
@@ -298,6 +303,7 @@ class RemoteBackend final : public ExpertBackend {
       r.set_beta2(h.beta2);
       r.set_eps(h.eps);
       r.set_run_id(options_.run_id);
+      r.set_world_size(static_cast<uint32_t>(options_.world_size));
     }
     std::vector<v1::ExpertStepResponse> responses(clients_.size());
     HIMOE_RETURN_IF_ERROR(SendSteps(requests, &responses));
@@ -465,6 +471,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::Forward(int layer, uint64
   call->layer = layer;
   call->step = step;
   call->micro_batch = micro_batch;
+  call->wire_micro_batch = static_cast<uint32_t>(micro_batch * options_.world_size + options_.rank);
   std::vector<at::Tensor> rows, weights;
   for (size_t g = 0; g < groups.size(); ++g) {
     if (!groups[g].rows.defined() || groups[g].rows.size(0) == 0) continue;
@@ -507,10 +514,14 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
       v1::ExpertForwardRequest& r = call.requests[i];
       r.set_layer(call.layer);
       r.set_step(call.step);
-      r.set_micro_batch(call.micro_batch);
+      r.set_micro_batch(call.wire_micro_batch);
       r.set_request_id(next_request_id_.fetch_add(1));
       r.set_save_for_backward(save);
-      if (save) r.set_run_id(options_.run_id);
+      if (save) {
+        r.set_run_id(options_.run_id);
+        r.set_rank(static_cast<uint32_t>(options_.rank));
+        r.set_world_size(static_cast<uint32_t>(options_.world_size));
+      }
       v1::TokenAssignments* tokens = r.mutable_tokens();
       const at::Tensor a_rows = call.sent[i].assignment_rows.to(at::kCPU, at::kLong).contiguous();
       const at::Tensor ids = call.sent[i].expert_ids.to(at::kCPU, at::kLong).contiguous();
@@ -587,6 +598,8 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
       r.set_micro_batch(f.micro_batch());
       r.set_request_id(f.request_id());
       r.set_run_id(f.run_id());
+      r.set_rank(f.rank());
+      r.set_world_size(f.world_size());
       const int64_t u = f.tokens().rows().shape(0);
       const at::Tensor g = grads[i].defined() ? grads[i].to(options_.wire_dtype).contiguous()
                                               : at::zeros({u, d_model()}, options_.wire_dtype);

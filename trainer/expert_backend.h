@@ -120,6 +120,13 @@ struct ExpertBackendOptions {
   // layer's Backward in their order (Turn::kBackward), so that several can
   // run at once and the groups still sum their gradients in order.
   MicroBatchTurns* turns = nullptr;
+  // Remote only: one trainer rank of world_size sharing the groups. Each
+  // micro-batch b goes out as b * world_size + rank, unique over the ranks;
+  // only the rank with begin_run begins run_id (every rank's calls carry it),
+  // and a group adds each rank's expert gradients apart, then in rank order.
+  int rank = 0;
+  int world_size = 1;
+  bool begin_run = true;
   // Remote only: called with (group, RPC name, seconds) after every
   // Forward/Backward/Step call, from gRPC threads.
   std::function<void(int, const std::string&, double)> on_rpc;

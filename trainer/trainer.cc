@@ -84,10 +84,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
         "trainer: steps, batch_size, grad_accum, micro_batches_in_flight >= 1; lr, min_lr, "
         "warmup_steps, weight_decay, grad_clip >= 0");
   }
-  if (o.data_parallel != nullptr && o.remote_experts && o.data_parallel->world_size() > 1) {
-    return absl::UnimplementedError(
-        "trainer: more than one rank trains with experts in process only (--experts=inprocess)");
-  }
   std::unique_ptr<Trainer> t(new Trainer(o));
   t->data_parallel_ = o.data_parallel;
   HIMOE_ASSIGN_OR_RETURN(t->corpus_, Corpus::Create(o.data));
@@ -114,6 +110,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   bo.shared_memory = o.shared_memory;
   bo.on_rpc = o.on_rpc;
   if (opts.run_id.empty()) opts.run_id = NewRunId();
+  if (t->data_parallel_ != nullptr) {
+    // Rank 0's run on every rank.
+    HIMOE_ASSIGN_OR_RETURN(opts.run_id, t->data_parallel_->Broadcast(opts.run_id));
+    bo.rank = t->rank();
+    bo.world_size = t->world_size();
+    bo.begin_run = t->rank() == 0;
+  }
   bo.run_id = opts.run_id;
   bo.take_over_served = o.take_over_served_experts;
   const int in_flight = std::min(o.micro_batches_in_flight, o.grad_accum);
@@ -127,7 +130,14 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     bo.turns = t->turns_.get();
   }
   if (o.remote_experts) {
-    HIMOE_ASSIGN_OR_RETURN(t->experts_, CreateRemoteBackend(bo));
+    // Rank 0 begins the run on the groups before any rank calls them.
+    if (t->rank() == 0) {
+      HIMOE_ASSIGN_OR_RETURN(t->experts_, CreateRemoteBackend(bo));
+    }
+    if (t->world_size() > 1) HIMOE_RETURN_IF_ERROR(t->data_parallel_->Barrier());
+    if (t->rank() > 0) {
+      HIMOE_ASSIGN_OR_RETURN(t->experts_, CreateRemoteBackend(bo));
+    }
   } else {
     HIMOE_ASSIGN_OR_RETURN(t->experts_, CreateInProcessBackend(bo));
   }
@@ -272,6 +282,35 @@ absl::Status Trainer::SumOverRanks(StepResult& r) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<double> Trainer::ExpertGradNormSquared() {
+  if (!SharedGroups()) return experts_->GradNormSquared();
+  // Every rank's Backwards are in: each rank's all-reduce followed them.
+  const absl::StatusOr<double> norm2 = rank() == 0 ? experts_->GradNormSquared() : 0.0;
+  const at::Tensor shared =
+      at::tensor(std::vector<double>{norm2.ok() ? *norm2 : 0.0, norm2.ok() ? 0.0 : 1.0});
+  HIMOE_RETURN_IF_ERROR(data_parallel_->AllReduceSum({shared}));
+  if (!norm2.ok()) return norm2.status();
+  if (shared[1].item<double>() != 0) {
+    return absl::UnavailableError(
+        "rank 0 could not read the expert groups' gradient norm (its log says why)");
+  }
+  return shared[0].item<double>();
+}
+
+absl::Status Trainer::StepExperts(uint64_t step, const AdamWHyper& hyper, double scale) {
+  if (!SharedGroups()) return experts_->Step(step, hyper, scale);
+  // Rank 0 steps the groups once; no rank goes on before they have.
+  const absl::Status stepped = rank() == 0 ? experts_->Step(step, hyper, scale) : absl::OkStatus();
+  const at::Tensor failed = at::tensor(std::vector<double>{stepped.ok() ? 0.0 : 1.0});
+  HIMOE_RETURN_IF_ERROR(data_parallel_->AllReduceSum({failed}));
+  HIMOE_RETURN_IF_ERROR(stepped);
+  if (failed.item<double>() != 0) {
+    return absl::UnavailableError(absl::StrCat("rank 0 could not apply step ", step,
+                                               " on the expert groups (its log says why)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::MicroBatchesAtOnce(uint64_t step, StepResult& r) {
   const int n = options_.grad_accum;
   const double accum = n * world_size();
@@ -392,7 +431,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
     for (const auto& p : model_->parameters()) {
       if (p.grad().defined()) norm2 += SquaredNorm(p.grad());
     }
-    HIMOE_ASSIGN_OR_RETURN(const double expert_norm2, experts_->GradNormSquared());
+    HIMOE_ASSIGN_OR_RETURN(const double expert_norm2, ExpertGradNormSquared());
     r.grad_norm = std::sqrt(norm2 + expert_norm2);
     HIMOE_RETURN_IF_ERROR(CheckFinite(r, norm2, expert_norm2));
     const double scale = options_.grad_clip > 0 && r.grad_norm > options_.grad_clip
@@ -413,7 +452,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
     hyper.weight_decay = options_.weight_decay;
     hyper.beta1 = options_.beta1;
     hyper.beta2 = options_.beta2;
-    HIMOE_RETURN_IF_ERROR(experts_->Step(step, hyper, scale));
+    HIMOE_RETURN_IF_ERROR(StepExperts(step, hyper, scale));
     for (int m = 0; m < model_->num_moe_layers(); ++m) model_->router(m).ApplyBiasUpdates();
     return absl::OkStatus();
   });

@@ -158,6 +158,9 @@ class Trainer {
   // accumulation.
   int micro_batches_in_flight() const { return lanes_ == nullptr ? 1 : lanes_in_flight_; }
   int rank() const { return data_parallel_ == nullptr ? 0 : data_parallel_->rank(); }
+  // Whether this rank loads a checkpoint's expert state: all but the ranks
+  // after 0 that share remote groups with it.
+  bool restores_experts() const { return !SharedGroups() || rank() == 0; }
   int world_size() const { return data_parallel_ == nullptr ? 1 : data_parallel_->world_size(); }
 
  private:
@@ -169,6 +172,11 @@ class Trainer {
   Batch NextBatch();
   // Across ranks: every gradient and the step's losses and tokens summed.
   absl::Status SumOverRanks(StepResult& r);
+  // Ranks sharing remote groups: rank 0 reads their gradient norm and steps
+  // them, for every rank.
+  bool SharedGroups() const { return world_size() > 1 && options_.remote_experts; }
+  absl::StatusOr<double> ExpertGradNormSquared();
+  absl::Status StepExperts(uint64_t step, const AdamWHyper& hyper, double scale);
 
   TrainerOptions options_;
   std::unique_ptr<Corpus> corpus_;

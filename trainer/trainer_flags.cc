@@ -49,6 +49,24 @@ absl::Status ValidateModes(const TrainerFlags& f) {
         "--expert_metrics_port: a port >= 0, or -1, and only with --experts=local (the cluster "
         "file gives a cluster's metrics ports)");
   }
+  if (!f.expert_addresses.empty() && f.experts != "local") {
+    return absl::InvalidArgumentError(
+        "--expert_addresses: only with --experts=local (a cluster file lists a cluster's groups)");
+  }
+  if (!f.expert_addresses.empty() &&
+      static_cast<int>(
+          std::vector<std::string>(absl::StrSplit(f.expert_addresses, ',', absl::SkipEmpty()))
+              .size()) != f.num_groups) {
+    return absl::InvalidArgumentError(absl::StrCat("--expert_addresses: '", f.expert_addresses,
+                                                   "'; expected ", f.num_groups,
+                                                   " addresses, one per group (--num_groups)"));
+  }
+  if (f.ranks < 1) return Refuse("ranks", "a rank count >= 1", absl::StrCat(f.ranks));
+  if (f.ranks > 1 && (f.rank >= 0 || f.world_size > 0)) {
+    return absl::InvalidArgumentError(
+        "--ranks: starts every rank itself; --rank and --world_size are for one rank started "
+        "by hand or by another launcher");
+  }
   if (f.split_batch < 0 || (f.split_batch > 0 && f.batch_size % f.split_batch != 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--split_batch: ", f.split_batch, "; expected 0 (automatic) or a divisor of "
@@ -184,10 +202,17 @@ absl::StatusOr<DataParallelOptions> DataParallelOptionsFromFlags(const TrainerFl
     return Refuse("dist_timeout_s", "seconds >= 1", absl::StrCat(f.dist_timeout_s));
   }
   o.timeout = std::chrono::seconds(f.dist_timeout_s);
-  if (o.world_size > 1 && f.experts != "inprocess") {
-    return absl::UnimplementedError(absl::StrCat(
-        "--experts=", f.experts, ": ", o.world_size,
-        " data-parallel ranks train with experts in process only (--experts=inprocess)"));
+  if (o.world_size > 1 && f.experts == "local" && f.expert_addresses.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--experts=local: each of the ", o.world_size,
+        " ranks would start its own expert processes; start them once (--ranks starts the "
+        "ranks and their groups; or pass --expert_addresses), share a cluster file's "
+        "(--experts=cluster) or hold every expert (--experts=inprocess)"));
+  }
+  if (o.world_size > 1 && f.on_group_failure == "wait_and_resume") {
+    return absl::InvalidArgumentError(
+        "--on_group_failure=wait_and_resume: with more than one rank a failed group ends the run "
+        "(--on_group_failure=fail); rerun every rank with --resume");
   }
   return o;
 }

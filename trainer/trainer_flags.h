@@ -22,6 +22,9 @@ namespace himoe::trainer {
 struct TrainerFlags {
   // Where the experts run and what they train on.
   std::string experts = "local";  // local | cluster | inprocess
+  // With --experts=local: the groups' addresses, comma-separated, when they
+  // already run (the launcher of the ranks started them); empty = start them.
+  std::string expert_addresses;
   std::string cluster;
   std::string data;  // comma-separated; empty = the fortunes corpus
   std::string format = "auto";
@@ -101,6 +104,9 @@ struct TrainerFlags {
   // 127.0.0.1:29500).
   int rank = -1;
   int world_size = 0;
+  // > 1: this process starts that many ranks of itself (and, with
+  // --experts=local, their expert processes) and waits for them.
+  int ranks = 1;
   std::string master_addr;
   int master_port = -1;
   int dist_timeout_s = 300;
@@ -115,7 +121,8 @@ struct TrainerFlags {
 absl::Status ValidateTrainerFlags(const TrainerFlags& flags);
 
 // --on_group_failure resolved: true for wait_and_resume (the default with
-// --experts=local; never in process), false for fail.
+// --experts=local; never in process, nor with more than one rank), false
+// for fail.
 bool WaitAndResume(const TrainerFlags& flags);
 
 // The routing settings: the method, the preset, then every value given.

@@ -5,6 +5,7 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <prometheus/exposer.h>
 #include <prometheus/registry.h>
@@ -16,12 +17,16 @@
 #include "common/service_main.h"
 #include "common/status_macros.h"
 #include "router_service/routing/routing_config.h"
+#include "trainer/rank_launcher.h"
 #include "trainer/trainer_flags.h"
 #include "trainer/training_run.h"
 
 ABSL_FLAG(std::string, experts, "local",
           "where the experts run: local (spawn M himoe-expert processes on 127.0.0.1), "
           "cluster (the services of --cluster), or inprocess");
+ABSL_FLAG(std::string, expert_addresses, "",
+          "with --experts=local: the groups' addresses (host:port, comma-separated, in group "
+          "order) when they already run; empty = start them");
 ABSL_FLAG(std::string, cluster, "", "cluster file (with --experts=cluster)");
 ABSL_FLAG(std::string, data, "",
           "comma-separated files/directories; default: the fortunes corpus");
@@ -146,6 +151,10 @@ ABSL_FLAG(std::string, master_addr, "",
           "$TORCHELASTIC_USE_AGENT_STORE); empty = $MASTER_ADDR, else 127.0.0.1");
 ABSL_FLAG(int, master_port, -1,
           "data parallel: the rendezvous port; -1 = $MASTER_PORT, else 29500");
+ABSL_FLAG(int, ranks, 1,
+          "data parallel on this host: start this many ranks of himoe-trainer (and, with "
+          "--experts=local, one set of expert processes they share), serve their rendezvous, "
+          "follow rank 0's log and wait for them, as torchrun does");
 ABSL_FLAG(int, dist_timeout_s, 300,
           "data parallel: seconds the rendezvous and each collective wait for the other ranks");
 
@@ -178,6 +187,7 @@ ServiceInfo Info() {
 // --experts ... --moe_every.
 void ReadModelFlags(TrainerFlags& f) {
   f.experts = absl::GetFlag(FLAGS_experts);
+  f.expert_addresses = absl::GetFlag(FLAGS_expert_addresses);
   f.cluster = absl::GetFlag(FLAGS_cluster);
   f.data = absl::GetFlag(FLAGS_data);
   f.format = absl::GetFlag(FLAGS_format);
@@ -252,6 +262,7 @@ void ReadRunFlags(TrainerFlags& f) {
   f.master_addr = absl::GetFlag(FLAGS_master_addr);
   f.master_port = absl::GetFlag(FLAGS_master_port);
   f.dist_timeout_s = absl::GetFlag(FLAGS_dist_timeout_s);
+  f.ranks = absl::GetFlag(FLAGS_ranks);
   const ServiceFlags service = GetServiceFlags();
   f.threads = service.threads;
   f.blas_probe = service.blas_probe;
@@ -295,7 +306,17 @@ absl::Status Run(int* stop_signal) {
 }  // namespace himoe::trainer
 
 int main(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
   himoe::InitService(argc, argv, himoe::trainer::Info());
+  if (const himoe::trainer::TrainerFlags flags = himoe::trainer::FlagsFromCommandLine();
+      flags.ranks > 1) {
+    const absl::StatusOr<int> code = himoe::trainer::LaunchRanks(flags, args);
+    if (!code.ok()) {
+      std::cerr << "himoe-trainer: " << code.status() << "\n";
+      return 1;
+    }
+    return *code;
+  }
   int stop_signal = 0;
   const absl::Status status = himoe::trainer::Run(&stop_signal);
   if (stop_signal != 0) {  // stopped as asked, or failing on the way out

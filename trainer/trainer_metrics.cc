@@ -12,23 +12,26 @@ prometheus::Histogram::BucketBoundaries SecondsBuckets() {
 }  // namespace
 
 TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_groups,
-                               int num_experts)
+                               int num_experts, const prometheus::Labels& rank)
     : num_groups_(num_groups),
       loss_(prometheus::BuildGauge()
                 .Name("himoe_trainer_loss")
                 .Help("Training loss of the last step by kind: task (cross entropy), load, "
                       "intra, inter, z, balance (the balance controller's), total")
+                .Labels(rank)
                 .Register(r)),
       rpc_(prometheus::BuildHistogram()
                .Name("himoe_trainer_expert_rpc_duration_seconds")
                .Help("Expert-group RPC latency seen by the coordinator")
+               .Labels(rank)
                .Register(r)) {
   auto& tokens = prometheus::BuildCounter()
                      .Name("himoe_trainer_tokens_total")
                      .Help("Routed (token, expert) assignments in training")
+                     .Labels(rank)
                      .Register(r);
   const auto gauge = [&](const char* name, const char* help) -> auto& {
-    return prometheus::BuildGauge().Name(name).Help(help).Register(r);
+    return prometheus::BuildGauge().Name(name).Help(help).Labels(rank).Register(r);
   };
   auto& expert_cv = gauge("himoe_trainer_expert_cv", "Expert-load CV of the last step");
   auto& group_cv = gauge("himoe_trainer_group_cv", "Group-load CV of the last step");
@@ -110,11 +113,13 @@ TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_
   step_seconds_ = &prometheus::BuildHistogram()
                        .Name("himoe_trainer_step_duration_seconds")
                        .Help("Wall time of one optimizer step")
+                       .Labels(rank)
                        .Register(r)
                        .Add({}, SecondsBuckets());
   trained_tokens_ = &prometheus::BuildCounter()
                          .Name("himoe_trainer_trained_tokens_total")
                          .Help("Tokens trained on")
+                         .Labels(rank)
                          .Register(r)
                          .Add({});
   auto& row_bytes = prometheus::BuildCounter()
@@ -123,6 +128,7 @@ TrainerMetrics::TrainerMetrics(prometheus::Registry& r, int num_layers, int num_
                             "Bytes of rows, outputs and gradients sent to (direction=\"sent\") "
                             "and received from each expert group by Forward and Backward, as "
                             "the transport moved them (tensor payloads)")
+                        .Labels(rank)
                         .Register(r);
   // Create the RPC series up front so dashboards see them before traffic.
   for (int g = 0; g < num_groups; ++g) {

@@ -16,11 +16,13 @@
 namespace himoe::trainer {
 
 // The trainer's Prometheus metrics (docs/operations.md, "Metrics reference"). Labels are bounded:
-// loss kinds, MoE layers x groups x experts, groups x RPC names.
+// loss kinds, MoE layers x groups x experts, groups x RPC names, and the rank.
 class TrainerMetrics {
  public:
-  TrainerMetrics(prometheus::Registry& registry, int num_layers, int num_groups,
-                 int num_experts);
+  // `rank`: labels every series carries ({rank="r"} for a data-parallel
+  // rank; empty for a lone trainer).
+  TrainerMetrics(prometheus::Registry& registry, int num_layers, int num_groups, int num_experts,
+                 const prometheus::Labels& rank = {});
 
   void OnStep(const StepResult& step);
   void OnEval(const EvalResult& eval);

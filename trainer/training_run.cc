@@ -6,6 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <iostream>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/cluster_config.h"
 #include "common/cpu_cores.h"
 #include "common/expert_shape.h"
@@ -104,6 +106,9 @@ absl::StatusOr<std::unique_ptr<TrainingRun>> TrainingRun::Create(
   run->log_dir_ = flags.out_dir;
   HIMOE_ASSIGN_OR_RETURN(DataParallelOptions ranks, DataParallelOptionsFromFlags(flags));
   if (ranks.world_size > 1) {
+    // A group of collectives per micro-batch in flight (unused in process).
+    ranks.lanes =
+        std::max(1, std::min(run->options_.micro_batches_in_flight, run->options_.grad_accum));
     ranks.on_listening = [](int port) {
       std::cerr << "rendezvous: serving on port " << port << "\n";
     };
@@ -125,8 +130,10 @@ absl::StatusOr<std::unique_ptr<TrainingRun>> TrainingRun::Create(
     // Before the trainer, so that the RPC latencies of the first step are seen.
     const model::ModelOptions& m = run->options_.model;
     run->registry_ = std::move(registry);
-    run->metrics_ = std::make_unique<TrainerMetrics>(*run->registry_, model::NumMoeLayers(m),
-                                                     m.routing.num_groups, m.routing.num_experts);
+    prometheus::Labels rank;
+    if (run->data_parallel_ != nullptr) rank["rank"] = absl::StrCat(run->data_parallel_->rank());
+    run->metrics_ = std::make_unique<TrainerMetrics>(
+        *run->registry_, model::NumMoeLayers(m), m.routing.num_groups, m.routing.num_experts, rank);
     TrainerMetrics* sink = run->metrics_.get();
     run->options_.on_rpc = [sink](int group, const std::string& rpc, double seconds) {
       sink->OnRpc(group, rpc, seconds);
@@ -141,20 +148,30 @@ absl::Status TrainingRun::PlaceExperts() {
   return absl::OkStatus();
 }
 
-// --experts=local: M himoe-expert processes on 127.0.0.1.
+absl::StatusOr<std::unique_ptr<local::LocalExpertCluster>> StartLocalExpertProcesses(
+    const TrainerFlags& flags, const model::ModelOptions& model) {
+  local::ExpertProcessOptions e;
+  e.shape = model::ExpertShapeFor(model);
+  e.threads = flags.expert_threads;
+  e.log_dir = absl::StrCat(flags.out_dir, "/experts");
+  e.metrics_port_base = flags.expert_metrics_port;
+  e.tls = flags.tls;
+  e.shared_memory = flags.shared_memory;
+  return local::LocalExpertCluster::Start(e);
+}
+
+// --experts=local: M himoe-expert processes on 127.0.0.1, started here or,
+// with --expert_addresses, by the launcher of the ranks.
 absl::Status TrainingRun::StartLocalExperts() {
   TrainerOptions& o = options_;
-  local::ExpertProcessOptions e;
-  e.shape = model::ExpertShapeFor(o.model);
-  e.threads = flags_.expert_threads;
-  e.log_dir = absl::StrCat(flags_.out_dir, "/experts");
-  e.metrics_port_base = flags_.expert_metrics_port;
-  e.tls = flags_.tls;
-  e.shared_memory = flags_.shared_memory;
-  o.tls = e.tls;
-  o.shared_memory = e.shared_memory;
-  HIMOE_ASSIGN_OR_RETURN(spawned_, local::LocalExpertCluster::Start(e));
+  o.tls = flags_.tls;
+  o.shared_memory = flags_.shared_memory;
   o.remote_experts = true;
+  if (!flags_.expert_addresses.empty()) {
+    o.expert_addresses = absl::StrSplit(flags_.expert_addresses, ',', absl::SkipEmpty());
+    return absl::OkStatus();
+  }
+  HIMOE_ASSIGN_OR_RETURN(spawned_, StartLocalExpertProcesses(flags_, o.model));
   o.expert_addresses = spawned_->addresses();
   std::cerr << "experts: " << o.model.routing.num_groups << " himoe-expert processes on "
             << absl::StrJoin(o.expert_addresses, ", ") << " (logs in " << spawned_->log_dir()
@@ -210,6 +227,8 @@ absl::StatusOr<double> TrainingRun::Start(bool resume) {
   if (resume) {
     HIMOE_ASSIGN_OR_RETURN(const std::string dir, model::LatestCheckpoint(checkpoints_));
     HIMOE_RETURN_IF_ERROR(LoadCheckpoint(*trainer_, dir));
+    // No rank calls the groups before rank 0 has restored them.
+    if (data_parallel_ != nullptr) HIMOE_RETURN_IF_ERROR(data_parallel_->Barrier());
     std::cerr << "resumed from " << dir << " at step " << trainer_->step() << "\n";
   }
   const std::optional<int64_t> resumed_at =
@@ -231,7 +250,8 @@ absl::Status TrainingRun::Train() {
   std::cerr << trainer_->corpus().Describe() << "\n"
             << "routing: " << router::RoutingConfigDebugString(options_.model.routing) << "\n";
   absl::StatusOr<double> trained = TrainLoop(first_val_);
-  const bool recover = WaitAndResume(flags_);
+  // Across ranks a failed group ends the run (wait_and_resume is refused).
+  const bool recover = WaitAndResume(flags_) && data_parallel_ == nullptr;
   for (int failures = 1; !trained.ok() && recover && IsGroupFailure(trained.status()); ++failures) {
     std::cerr << "\nexpert group failure at step " << trainer_->step() + 1 << " (" << failures
               << " of at most " << flags_.max_group_restarts << " recovered): " << trained.status()

@@ -103,6 +103,11 @@ class TrainingRun {
   double last_val_ = 0;
 };
 
+// --experts=local's M himoe-expert processes for `model` (logs in
+// <out_dir>/experts), started and waited for.
+absl::StatusOr<std::unique_ptr<local::LocalExpertCluster>> StartLocalExpertProcesses(
+    const TrainerFlags& flags, const model::ModelOptions& model);
+
 // A step, evaluation or checkpoint that failed because a group went away or
 // did not answer in time: what --on_group_failure=wait_and_resume recovers.
 bool IsGroupFailure(const absl::Status& status);

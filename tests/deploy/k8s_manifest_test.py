@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Offline checks of the Kubernetes manifests (deploy/k8s) and the Dockerfile.
 
-Renders deploy/k8s/base and deploy/k8s/overlays/gpu with `kubectl kustomize`
+Renders deploy/k8s/base, overlays/gpu and overlays/data-parallel with `kubectl kustomize`
 (every --kubectl given, default: the kubectl on PATH; scripts/setup.sh installs
 one) and checks the rendered objects:
 
@@ -22,6 +22,10 @@ one) and checks the rendered objects:
 - CPU requests everywhere; the GPU overlay gives experts nvidia.com/gpu: 1 and
   --device=cuda:0, the base --device=cpu and no GPU;
 - the PVC is mounted in the trainer at its --out_dir;
+- overlays/data-parallel: an Indexed Job of WORLD_SIZE trainer pods, RANK from
+  the completion index, MASTER_ADDR the pod of index 0 through a headless
+  Service that serves MASTER_PORT, a ReadWriteMany PVC, and each rank's
+  wrapper execs himoe-trainer with that environment;
 - deploy/docker/Dockerfile: multi-stage on debian:bookworm, runs
   scripts/setup.sh, ships the binaries the manifests run and (with
   --build-dir) the packages of every library they link.
@@ -51,7 +55,10 @@ except ImportError:
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 K8S = os.path.join(REPO, "deploy", "k8s")
 DOCKERFILE = os.path.join(REPO, "deploy", "docker", "Dockerfile")
-VARIANTS = {"base": os.path.join(K8S, "base"), "gpu": os.path.join(K8S, "overlays", "gpu")}
+VARIANTS = {"base": os.path.join(K8S, "base"), "gpu": os.path.join(K8S, "overlays", "gpu"),
+            "data-parallel": os.path.join(K8S, "overlays", "data-parallel")}
+# The annotation an Indexed Job's pod carries its completion index in.
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 
 EXPERT, ROUTER, TRAINER = "himoe-expert", "himoe-router", "himoe-trainer"
 BINARIES = {EXPERT: "expert_service", ROUTER: "router_service", TRAINER: "trainer"}
@@ -172,16 +179,21 @@ def expand(text, env):
     return "".join(out)
 
 
-def container_env(container, pod_name):
+def container_env(container, pod_name, annotations=None):
     env = {}
     for e in container.get("env") or []:
+        field = e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        annotation = re.fullmatch(r"metadata\.annotations\['([^']+)'\]", field or "")
         if "value" in e:
             env[e["name"]] = expand(str(e["value"]), env)
-        elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
+        elif field == "metadata.name":
             env[e["name"]] = pod_name
+        elif annotation and annotation.group(1) in (annotations or {}):
+            env[e["name"]] = annotations[annotation.group(1)]
         else:
-            C.check(False, f"container {container['name']}: env {e['name']}: only values and "
-                           f"the metadata.name fieldRef are understood by this test")
+            C.check(False, f"container {container['name']}: env {e['name']}: only values, "
+                           f"the metadata.name fieldRef and the pod's annotations "
+                           f"{sorted(annotations or {})} are understood by this test")
     return env
 
 
@@ -210,13 +222,16 @@ def port_of(address):
 
 STUB = """#!/bin/sh
 { printf '%s\\n' "$(basename "$0")"; for a in "$@"; do printf '%s\\n' "$a"; done; } > "$STUB_OUT"
+env > "$STUB_OUT.env"
 """
 
 
-def run_container(container, pod_name, stubs, extra_env=None, arg_map=None, timeout=60):
+def run_container(container, pod_name, stubs, extra_env=None, arg_map=None, timeout=60,
+                  annotations=None):
     """Runs the container's command + args as the kubelet would, with the
-    himoe-* binaries replaced by stubs; returns (binary, argv) it exec'd."""
-    env = container_env(container, pod_name)
+    himoe-* binaries replaced by stubs; returns (binary, argv) it exec'd (and
+    leaves the environment it had in <stubs>/argv.txt.env)."""
+    env = container_env(container, pod_name, annotations)
     argv = [expand(a, env) for a in (container.get("command") or []) +
             (container.get("args") or [])]
     for a in argv:
@@ -375,6 +390,11 @@ def check_variant(objs, variant, stubs):
     C.check(not cluster.router.address or port_of(cluster.router.address)[1] == p,
             f"{ROUTER}: cluster file router.address {cluster.router.address} but the router "
             f"listens on port {p}")
+    # Data-parallel ranks: rank 0 serves the rendezvous on MASTER_PORT.
+    master_port = container_env(runs[TRAINER][0], TRAINER, {COMPLETION_INDEX: "0"}).get(
+        "MASTER_PORT")
+    if master_port is not None:
+        ports.setdefault(TRAINER, {})["rendezvous"] = int(master_port)
     for comp in workloads:
         f = runs[comp][2]
         mp = f.get("metrics_port")
@@ -640,6 +660,81 @@ def check_mtls(objs):
                     f"{name}: {probe} must be a TCP check under mTLS, is {sorted(pr)}")
 
 
+def check_data_parallel(objs, stubs):
+    """overlays/data-parallel: the trainer Job as an Indexed Job of WORLD_SIZE
+    ranks. RANK is each pod's completion index, MASTER_ADDR names the pod of
+    index 0 through a headless Service that selects the trainer pods and
+    serves MASTER_PORT, the container exposes that port, the checkpoint volume
+    is ReadWriteMany, and each rank's wrapper execs himoe-trainer with that
+    environment."""
+    job = one(objs, "Job", TRAINER)
+    pvc = one(objs, "PersistentVolumeClaim", "himoe-checkpoints")
+    if job is None or pvc is None:
+        return
+    spec, pod = job["spec"], pod_spec(job)
+    c = pod["containers"][0]
+    env = {e["name"]: e for e in c.get("env") or []}
+    C.check(spec.get("completionMode") == "Indexed",
+            f"{TRAINER}: completionMode {spec.get('completionMode')}, expected Indexed")
+    world = str(env.get("WORLD_SIZE", {}).get("value", ""))
+    if not C.check(world.isdigit() and int(world) >= 2,
+                   f"{TRAINER}: WORLD_SIZE {world!r}, expected a rank count >= 2"):
+        return
+    world = int(world)
+    C.check(spec.get("completions") == world and spec.get("parallelism") == world,
+            f"{TRAINER}: completions {spec.get('completions')}, parallelism "
+            f"{spec.get('parallelism')}; every one of the {world} ranks must run at once")
+    rank_field = env.get("RANK", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+    C.check(rank_field == f"metadata.annotations['{COMPLETION_INDEX}']",
+            f"{TRAINER}: RANK comes from {rank_field}, expected the completion index")
+    subdomain = pod.get("subdomain")
+    master = env.get("MASTER_ADDR", {}).get("value")
+    C.check(subdomain and master == f"{job['metadata']['name']}-0.{subdomain}",
+            f"{TRAINER}: MASTER_ADDR {master!r} is not the pod of index 0 "
+            f"({job['metadata']['name']}-0.{subdomain})")
+    svc = one(objs, "Service", subdomain) if subdomain else None
+    port = str(env.get("MASTER_PORT", {}).get("value", ""))
+    if svc is not None:
+        C.check(svc["spec"].get("clusterIP") == "None",
+                f"Service {subdomain}: clusterIP {svc['spec'].get('clusterIP')}, the ranks' "
+                "names need a headless Service")
+        C.check(matches(svc["spec"].get("selector"), pod_labels(job)),
+                f"Service {subdomain}: selector does not select the trainer pods")
+        by_name = {p.get("name"): p["containerPort"] for p in c.get("ports") or []}
+        targets = [by_name.get(p.get("targetPort")) if isinstance(p.get("targetPort"), str)
+                   else p.get("targetPort", p["port"]) for p in svc["spec"].get("ports") or []]
+        C.check(port.isdigit() and int(port) in targets and int(port) in by_name.values(),
+                f"{TRAINER}: MASTER_PORT {port!r} is not a port the container and Service "
+                f"{subdomain} serve ({by_name}, {targets})")
+    C.check("ReadWriteMany" in (pvc["spec"].get("accessModes") or []),
+            f"PersistentVolumeClaim himoe-checkpoints: accessModes "
+            f"{pvc['spec'].get('accessModes')}; every rank mounts it")
+    # Each rank's wrapper hands its rank and the rendezvous to himoe-trainer.
+    cm = one(objs, "ConfigMap", "himoe-cluster", prefix=True)
+    text = ((cm or {}).get("data") or {}).get("cluster.textproto", "")
+    work = tempfile.mkdtemp(prefix="k8s-manifest-test-ranks-")
+    cluster = os.path.join(work, "cluster.textproto")
+    with open(cluster, "w") as fh:
+        fh.write(re.sub(r'(groups\s*\{[^}]*address:\s*")[^"]+"', r'\g<1>127.0.0.1:1"', text))
+    flags = parse_flags(c.get("args") or [])
+    arg_map = {f"--cluster={flags.get('cluster')}": f"--cluster={cluster}",
+               f"--out_dir={flags.get('out_dir')}": f"--out_dir={os.path.join(work, 'run')}"}
+    for r in range(world):
+        binary, _ = run_container(c, f"{TRAINER}-{r}-k2x9p", stubs, arg_map=arg_map,
+                                  extra_env={"HIMOE_WAIT_S": "0"},
+                                  annotations={COMPLETION_INDEX: str(r)})
+        if binary is None:
+            continue
+        seen = dict(line.split("=", 1) for line in
+                    open(os.path.join(stubs, "argv.txt.env")).read().splitlines() if "=" in line)
+        want = {"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": master,
+                "MASTER_PORT": port}
+        C.check(all(seen.get(k) == v for k, v in want.items()),
+                f"{TRAINER}-{r}: himoe-trainer ran with "
+                f"{ {k: seen.get(k) for k in want} }, expected {want}")
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def check_trainer_command(c, cluster_text, stubs):
     """Runs the trainer's wrapper: it must wait for every group of the cluster
     file and add --resume only when a complete checkpoint exists."""
@@ -677,7 +772,7 @@ def check_trainer_command(c, cluster_text, stubs):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             open(path, "w").close()
         binary, argv = run_container(c, pod, stubs, extra_env={"HIMOE_WAIT_S": "20"},
-                                     arg_map=arg_map)
+                                     arg_map=arg_map, annotations={COMPLETION_INDEX: "0"})
         if binary is None:
             return None, {}
         C.check(("--resume" in argv) == resume,
@@ -865,6 +960,8 @@ def main():
             objs = render(kubectl, directory)
             if objs is not None:
                 check_variant(objs, variant, stubs)
+                if variant == "data-parallel":
+                    check_data_parallel(objs, stubs)
         mtls = os.path.join(K8S, "overlays", "mtls")
         C.where = f"{version}: {os.path.relpath(mtls, REPO)}"
         print(f"rendering {os.path.relpath(mtls, REPO)} with {version}")

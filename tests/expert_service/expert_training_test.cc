@@ -922,6 +922,97 @@ TEST(ExpertTrainingCoreTest, PendingWeightGradsSumAsComputedInBackward) {
   EXPECT_EQ(CoreGradNormSquared(deferred.get()), 0.0);
 }
 
+// Trainer ranks sharing a run: each rank's gradients are summed apart and
+// added in rank order, so the sums do not depend on the order the ranks'
+// Backwards come in; calls of another world size or an out-of-range rank are
+// refused naming the field.
+TEST(ExpertTrainingCoreTest, RanksGradientsAddInRankOrderWhateverTheArrival) {
+  struct Call {
+    uint32_t rank;
+    uint32_t micro_batch;
+    Inputs inputs;
+    std::vector<at::Tensor> grads;
+  };
+  std::vector<Call> calls;
+  for (uint32_t mb = 0; mb < 4; ++mb) {
+    Call c{mb % 2, mb, RandomInputs({{2, 5 + mb}, {3, 7}}), {}};
+    c.grads = RandomGrads(c.inputs);
+    calls.push_back(std::move(c));
+  }
+  // One rank sums c0 + c2 + c1 + c3; two ranks (c0 + c2) + (c1 + c3), the
+  // same to rounding, and bit for bit whatever order the calls come in.
+  const auto run = [&](ExpertServiceCore* core, uint32_t world, const std::vector<int>& order) {
+    v1::BeginRunRequest begin;
+    begin.set_run_id("ranks");
+    begin.set_world_size(world);
+    v1::BeginRunResponse begun;
+    EXPECT_TRUE(core->BeginRun(begin, &begun).ok());
+    for (const int i : order) {
+      const Call& c = calls[i];
+      v1::ExpertForwardRequest f = ForwardRequest(Key{1, c.micro_batch, 1, 0, "ranks"}, c.inputs);
+      f.set_rank(world > 1 ? c.rank : 0);
+      f.set_world_size(world);
+      v1::ExpertForwardResponse forward;
+      const absl::Status fs = core->Forward(f, &forward);
+      EXPECT_TRUE(fs.ok()) << fs;
+      v1::ExpertBackwardRequest b =
+          BackwardRequest(Key{1, c.micro_batch, 1, 0, "ranks"}, c.inputs, c.grads);
+      b.set_rank(world > 1 ? c.rank : 0);
+      b.set_world_size(world);
+      v1::ExpertBackwardResponse backward;
+      const absl::Status bs = core->Backward(b, &backward);
+      EXPECT_TRUE(bs.ok()) << bs;
+    }
+    return CoreGradNormSquared(core);
+  };
+  auto one = MakeCore();
+  auto two = MakeCore();
+  auto reversed = MakeCore();
+  const double one_rank = run(one.get(), 1, {0, 2, 1, 3});
+  EXPECT_GT(one_rank, 0);
+  const double in_order = run(two.get(), 2, {0, 1, 2, 3});
+  EXPECT_NEAR(in_order, one_rank, 1e-5 * one_rank);
+  EXPECT_EQ(run(reversed.get(), 2, {3, 1, 2, 0}), in_order);
+  const auto one_params = one->group(1)->named_parameters();
+  const auto want_params = two->group(1)->named_parameters();
+  const auto got_params = reversed->group(1)->named_parameters();
+  for (size_t i = 0; i < got_params.size(); ++i) {
+    EXPECT_TRUE(at::equal(got_params[i].second.grad(), want_params[i].second.grad()))
+        << got_params[i].first;
+    EXPECT_LT(MaxAbsDiff(want_params[i].second.grad(), one_params[i].second.grad()), 1e-5)
+        << got_params[i].first;
+  }
+
+  // Another world size, an out-of-range rank.
+  const Inputs inputs = RandomInputs({{2, 3}});
+  v1::ExpertForwardRequest f = ForwardRequest(Key{2, 0, 1, 0, "ranks"}, inputs);
+  f.set_world_size(3);
+  v1::ExpertForwardResponse forward;
+  absl::Status s = two->Forward(f, &forward);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("world_size: Forward of step 2 comes from 3 trainer rank(s), but run "
+                        "'ranks' on this group was begun for 2"));
+  f.set_world_size(2);
+  f.set_rank(2);
+  s = two->Forward(f, &forward);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("rank: 2; expected below world_size 2"));
+  v1::ExpertStepRequest step = StepRequest(1);
+  step.set_run_id("ranks");
+  v1::ExpertStepResponse stepped;
+  s = two->Step(step, &stepped);  // world_size 0 = 1
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  v1::BeginRunRequest begin;
+  begin.set_run_id("huge");
+  begin.set_world_size(100000);
+  v1::BeginRunResponse begun;
+  s = two->BeginRun(begin, &begun);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("world_size: 100000 trainer ranks"));
+  EXPECT_EQ(two->Info().run_id, "ranks");
+}
+
 TEST(ExpertTrainingCoreTest, StepMatchesTorchAdamW) {
   auto core = MakeCore();
   auto l0 = LocalGroup(0), l1 = LocalGroup(1);

@@ -6,7 +6,10 @@
 # - stopped by SIGTERM to rank 0 alone, both ranks stop after the same step,
 #   rank 0's checkpoint resumes both, and the run ends with the bytes of an
 #   uninterrupted 2-rank run;
-# - rank 1 SIGKILLed mid-run: rank 0 fails naming it, and no process is left.
+# - rank 1 SIGKILLed mid-run: rank 0 fails naming it, and no process is left;
+# - --ranks 2 with --experts=local: one set of expert processes, the losses of
+#   1 rank with --grad_accum 2; an expert process SIGKILLed ends the run
+#   naming its group, with no process left.
 set -euo pipefail
 trainer="${HIMOE_BUILD_DIR}/trainer/himoe-trainer"
 out="$(mktemp -d)"
@@ -131,4 +134,36 @@ for p in "${pids[@]}"; do
     exit 1
   fi
 done
+# --ranks 2 with local experts: one set of expert processes for both ranks,
+# the losses of 1 rank with --grad_accum 2.
+"${trainer}" "${flags[@]}" --experts=local --grad_accum 2 --steps 6 --out_dir "${out}/local_one" \
+  2>"${out}/local_one.log" || { show "${out}/local_one.log"; exit 1; }
+"${trainer}" "${flags[@]}" --experts=local --ranks 2 --steps 6 --out_dir "${out}/local_two" \
+  2>"${out}/local_two.log" || { show "${out}/local_two.log" "${out}/local_two/rank1.log"; exit 1; }
+grep -q 'rank 1: trained to step 6' "${out}/local_two/rank1.log"
+test "$(grep -c 'himoe-expert processes on' "${out}/local_two.log")" -eq 1
+paste <(losses "${out}/local_one/metrics.jsonl") <(losses "${out}/local_two/metrics.jsonl") |
+  awk '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > 1e-4) { print "step " NR ": " $1 " vs " $2; bad = 1 } }
+       END { if (NR != 6) { print NR " steps"; bad = 1 } exit bad }'
+
+# An expert group SIGKILLed under 2 ranks: the run ends with an error naming
+# the group, and the launcher leaves no process behind.
+"${trainer}" "${flags[@]}" --experts=local --ranks 2 --steps 100000 \
+  --out_dir "${out}/group_killed" 2>"${out}/group_killed.log" &
+launcher=$!
+pids+=("${launcher}")
+wait_step "${out}/group_killed/metrics.jsonl" 2
+kill -KILL "$(cat "${out}/group_killed/experts/expert-1.pid")"
+status=0
+wait "${launcher}" || status=$?
+if [[ "${status}" -eq 0 ]] || ! grep -q 'expert group 1' "${out}/group_killed.log"; then
+  show "${out}/group_killed.log" "${out}/group_killed/rank1.log"
+  exit 1
+fi
+grep 'himoe-trainer: ' "${out}/group_killed.log" | tail -2
+if pgrep -f -- "${out}/group_killed" >/dev/null; then
+  echo "processes left behind:" >&2
+  pgrep -af -- "${out}/group_killed" >&2
+  exit 1
+fi
 echo "data-parallel CLI test passed"

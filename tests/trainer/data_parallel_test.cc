@@ -17,9 +17,15 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "router_service/routing/routing_config.h"
 #include "tests/trainer/trainer_test_util.h"
 #include "trainer/trainer.h"
+#include "trainer/trainer_metrics.h"
 
 namespace himoe::trainer {
 namespace {
@@ -30,7 +36,8 @@ using ::testing::HasSubstr;
 // TCPStore that rank 0 serves on an ephemeral port; the ranks' statuses.
 std::vector<absl::Status> OnRanks(int world,
                                   const std::function<absl::Status(int, DataParallel&)>& body,
-                                  const std::vector<std::string>& fingerprints = {}) {
+                                  const std::vector<std::string>& fingerprints = {},
+                                  int lanes = 1) {
   std::promise<int> port;
   std::shared_future<int> port_ready = port.get_future().share();
   std::vector<std::future<absl::Status>> ranks;
@@ -41,6 +48,7 @@ std::vector<absl::Status> OnRanks(int world,
       o.world_size = world;
       o.master_addr = "127.0.0.1";
       o.timeout = std::chrono::seconds(60);
+      o.lanes = lanes;
       if (r == 0) {
         o.master_port = 0;
         o.on_listening = [&port](int p) { port.set_value(p); };
@@ -126,6 +134,24 @@ TEST(DataParallel, StoppedRankFailsTheOthersNamingIt) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("rank 1 stopped"));
 }
 
+TEST(DataParallel, EveryTrainerSeriesOfARankCarriesItsRank) {
+  prometheus::Registry registry;
+  TrainerMetrics metrics(registry, /*num_layers=*/2, /*num_groups=*/2, /*num_experts=*/4,
+                         {{"rank", "1"}});
+  StepResult step;
+  step.step = 3;
+  metrics.OnStep(step);
+  const std::string text = prometheus::TextSerializer().Serialize(registry.Collect());
+  int series = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (line.empty() || line[0] == '#') continue;
+    ++series;
+    EXPECT_TRUE(absl::StrContains(line, "rank=\"1\"")) << line;
+  }
+  EXPECT_GT(series, 50);
+  EXPECT_TRUE(absl::StrContains(text, "himoe_trainer_step{rank=\"1\"} 3")) << text;
+}
+
 // ---- 2 ranks of batch B against 1 rank accumulating 2 micro-batches of B.
 
 const std::string& CorpusPath() {
@@ -193,24 +219,29 @@ absl::StatusOr<Trained> Train(const TrainerOptions& o) {
   return out;
 }
 
-class TwoRanks : public ::testing::TestWithParam<router::RoutingMethod> {};
-
-TEST_P(TwoRanks, EqualOneRankAccumulatingTheirMicroBatches) {
-  TrainerOptions one = SmallOptions(GetParam());
-  one.grad_accum = 2;
+// 2 ranks of `accum` micro-batches against 1 rank of 2 * accum, both with
+// the experts `place` says (in process, or on services): the weights, the
+// routers' state and the experts' weights and AdamW moments.
+void ExpectTwoRanksEqualOne(router::RoutingMethod method, int accum,
+                            const std::function<TrainerOptions(TrainerOptions)>& place) {
+  TrainerOptions one = place(SmallOptions(method));
+  one.grad_accum = 2 * accum;
   absl::StatusOr<Trained> reference = Train(one);
   ASSERT_TRUE(reference.ok()) << reference.status();
 
   std::vector<Trained> ranks(2);
-  const std::vector<absl::Status> done = OnRanks(2, [&](int rank, DataParallel& dp) {
-    TrainerOptions o = SmallOptions(GetParam());
-    o.grad_accum = 1;
-    o.data_parallel = &dp;
-    absl::StatusOr<Trained> t = Train(o);
-    if (!t.ok()) return t.status();
-    ranks[rank] = std::move(t).value();
-    return absl::OkStatus();
-  });
+  const std::vector<absl::Status> done = OnRanks(
+      2,
+      [&](int rank, DataParallel& dp) {
+        TrainerOptions o = place(SmallOptions(method));
+        o.grad_accum = accum;
+        o.data_parallel = &dp;
+        absl::StatusOr<Trained> t = Train(o);
+        if (!t.ok()) return t.status();
+        ranks[rank] = std::move(t).value();
+        return absl::OkStatus();
+      },
+      {}, /*lanes=*/2);
   for (const absl::Status& s : done) ASSERT_TRUE(s.ok()) << s;
 
   ASSERT_EQ(ranks[0].losses.size(), reference->losses.size());
@@ -238,10 +269,32 @@ TEST_P(TwoRanks, EqualOneRankAccumulatingTheirMicroBatches) {
     }
   }
   // The routing state the method keeps did move (the check above covers it).
-  if (GetParam() == router::RoutingMethod::kHiMoe ||
-      GetParam() == router::RoutingMethod::kLossFree) {
+  if (method == router::RoutingMethod::kHiMoe || method == router::RoutingMethod::kLossFree) {
     EXPECT_GT(moved, 0);
   }
+}
+
+TrainerOptions InProcess(TrainerOptions o) { return o; }
+
+class TwoRanks : public ::testing::TestWithParam<router::RoutingMethod> {};
+
+TEST_P(TwoRanks, EqualOneRankAccumulatingTheirMicroBatches) {
+  ExpectTwoRanksEqualOne(GetParam(), 1, InProcess);
+}
+
+TEST(TwoRanksInProcess, WithTwoMicroBatchesEachEqualOneRankOfFour) {
+  ExpectTwoRanksEqualOne(router::RoutingMethod::kHiMoe, 2, InProcess);
+}
+
+// The ranks share 2 expert-group services over gRPC: rank 0 begins the run
+// and steps the groups, which sum each rank's gradients apart and add them
+// in rank order.
+TEST(TwoRanksSharingGroups, EqualOneRankOnTheSameGroups) {
+  const testing::ExpertCluster cluster(SmallOptions(router::RoutingMethod::kHiMoe));
+  const auto remote = [&](TrainerOptions o) { return cluster.Remote(std::move(o)); };
+  ExpectTwoRanksEqualOne(router::RoutingMethod::kHiMoe, 1, remote);
+  // Two micro-batches in flight on each rank, each lane its own collectives.
+  ExpectTwoRanksEqualOne(router::RoutingMethod::kHiMoe, 2, remote);
 }
 
 INSTANTIATE_TEST_SUITE_P(Methods, TwoRanks,

@@ -288,7 +288,18 @@ TEST(TrainerFlagsTest, RanksFromTorchrunEnvironmentAndFlags) {
                 HasSubstr("--rank: 3 is not below the world size 3"));
     f.rank = -1;
     f.experts = "local";
-    EXPECT_TRUE(absl::IsUnimplemented(DataParallelOptionsFromFlags(f).status()));
+    EXPECT_THAT(std::string(DataParallelOptionsFromFlags(f).status().message()),
+                HasSubstr("--experts=local: each of the 3 ranks would start its own expert"));
+    f.expert_addresses = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3,127.0.0.1:4";
+    EXPECT_TRUE(DataParallelOptionsFromFlags(f).ok());
+    f.expert_addresses = "";
+    f.experts = "cluster";
+    f.on_group_failure = "wait_and_resume";
+    EXPECT_THAT(std::string(DataParallelOptionsFromFlags(f).status().message()),
+                HasSubstr("with more than one rank a failed group ends the run"));
+    f.on_group_failure = "";
+    EXPECT_TRUE(DataParallelOptionsFromFlags(f).ok());
+    f.experts = "local";
   }
   {
     const ScopedEnv env({{"WORLD_SIZE", "two"}});
