@@ -10,6 +10,7 @@
 #   scripts/bench.sh kernels [himoe-kernels-bench flags]
 #   scripts/bench.sh link [scripts/link_bench.sh flags]
 #   scripts/bench.sh groups [scripts/groups_bench.sh flags]
+#   scripts/bench.sh ranks [scripts/ranks_bench.sh flags]
 #
 # train: back to back, on the released code's config (4 layers, d 128, block
 # 128, batch 16, 8 experts in 4 groups, K 4, width 512) and on the main job's
@@ -31,7 +32,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${HIMOE_BUILD_DIR:-${ROOT}/build}"
 TRAINER="${BUILD}/trainer/himoe-trainer"
 
-usage() { sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 
 # build_benches TARGET...: the bench executables are built on demand (the
 # test build leaves them out: HIMOE_BUILD_BENCHMARKS=OFF).
@@ -126,6 +127,13 @@ if [[ "${mode}" == link ]]; then
   # and off, float32 and bfloat16 on the wire, 1 and 2 experts a group
   # (scripts/link_bench.sh; root); writes runs/bench/link.md.
   exec bash "${ROOT}/scripts/link_bench.sh" "$@"
+fi
+if [[ "${mode}" == ranks ]]; then
+  # ranks: 1 and 2 data-parallel trainer ranks against the same 4 expert
+  # hosts in network namespaces, the ranks' links shaped: tokens/s, the
+  # gradient all-reduce a step, CPU against the CPU-bound limit
+  # (scripts/ranks_bench.sh; root); writes runs/bench/ranks.md.
+  exec bash "${ROOT}/scripts/ranks_bench.sh" "$@"
 fi
 if [[ "${mode}" == groups ]]; then
   # groups: grouped (himoe, moge) against flat (vanilla) dispatch on shaped

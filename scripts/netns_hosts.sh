@@ -15,6 +15,7 @@
 #                               and removes their port files from DIR
 #   netns_shape_coord RATE      the coordinator's link shaped both ways with
 #                               tc's token bucket ("none": unshaped)
+#   netns_shape_host G RATE     the same for host g's link
 #   netns_hosts_down            kills what runs in them and deletes them all
 #
 #   netns_bench_up NAME ID SUBNET N   all of the above for a bench script
@@ -111,16 +112,22 @@ netns_hosts_stop() {
 # netns_shape_coord RATE: tc's rate syntax (500mbit, 1gbit, ...) on the
 # coordinator's eth0 out and the switch's port0 out. The bucket holds 1 ms of
 # the rate (at least 64 KiB), so an idle link sends no faster than the rate.
-netns_shape_coord() {
-  ip netns exec "${NETNS_COORD}" tc qdisc del dev eth0 root 2>/dev/null || true
-  ip netns exec "${NETNS_SWITCH}" tc qdisc del dev port0 root 2>/dev/null || true
-  [[ "$1" == none ]] && return
-  local burst
-  burst="$(echo "$1" | awk '{ n = $0 + 0; u = substr($0, length(n "") + 1);
+netns_shape_coord() { netns_shape_link "${NETNS_COORD}" port0 "$1"; }
+
+# netns_shape_host G RATE: host g's link (the switch's port g+1), as above.
+netns_shape_host() { netns_shape_link "${NETNS_HOSTS[$1]}" "port$(($1 + 1))" "$2"; }
+
+netns_shape_link() {
+  local ns="$1" port="$2" rate="$3" burst
+  ip netns exec "${ns}" tc qdisc del dev eth0 root 2>/dev/null || true
+  ip netns exec "${NETNS_SWITCH}" tc qdisc del dev "${port}" root 2>/dev/null || true
+  [[ "${rate}" == none ]] && return
+  burst="$(echo "${rate}" | awk '{ n = $0 + 0; u = substr($0, length(n "") + 1);
     s = (u == "kbit") ? 1e3 : (u == "mbit") ? 1e6 : (u == "gbit") ? 1e9 : 1;
     b = n * s / 8 / 1000; printf "%d", (b < 65536) ? 65536 : b }')"
-  ip netns exec "${NETNS_COORD}" tc qdisc add dev eth0 root tbf rate "$1" burst "${burst}" latency 100ms
-  ip netns exec "${NETNS_SWITCH}" tc qdisc add dev port0 root tbf rate "$1" burst "${burst}" latency 100ms
+  ip netns exec "${ns}" tc qdisc add dev eth0 root tbf rate "${rate}" burst "${burst}" latency 100ms
+  ip netns exec "${NETNS_SWITCH}" tc qdisc add dev "${port}" root tbf rate "${rate}" burst "${burst}" \
+    latency 100ms
 }
 
 netns_hosts_down() {

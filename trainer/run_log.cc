@@ -177,6 +177,11 @@ void RunLog::OnStep(const StepResult& s) {
     line["row_bytes_sent"] = sent;
     line["row_bytes_received"] = received;
   }
+  if (s.ranks > 1) {
+    line["ranks"] = s.ranks;
+    line["allreduce_s"] = Sig6(s.allreduce_seconds);
+    line["allreduce_bytes"] = s.allreduce_bytes;
+  }
   if (s.waits.calls > 0) {
     line["forward_calls"] = s.waits.calls;
     line["forward_wait_s"] = Sig6(s.waits.slowest_seconds);

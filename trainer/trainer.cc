@@ -251,7 +251,12 @@ absl::Status Trainer::SumOverRanks(StepResult& r) {
   }
   const at::Tensor defined_anywhere = at::tensor(defined);
   sums.push_back(defined_anywhere);
+  const auto start = std::chrono::steady_clock::now();
   HIMOE_RETURN_IF_ERROR(data_parallel_->AllReduceSum(sums));
+  r.ranks = world_size();
+  r.allreduce_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (const at::Tensor& t : sums) r.allreduce_bytes += static_cast<int64_t>(t.nbytes());
   {
     at::NoGradGuard no_grad;
     const float* anywhere = defined_anywhere.data_ptr<float>();

@@ -114,6 +114,11 @@ struct StepResult {
   std::vector<RowTraffic> traffic;
   // Remote experts: the step's Forward calls' waits (ExpertBackend::Waits).
   ForwardWaits waits;
+  // Data parallel: the ranks, and this rank's gradient all-reduce (its wall
+  // time, after its backward, and the bytes it summed).
+  int ranks = 1;
+  double allreduce_seconds = 0;
+  int64_t allreduce_bytes = 0;
 
   double gflops() const { return seconds > 0 ? flops / seconds / 1e9 : 0; }
   // Model FLOPs utilisation: achieved over the machine's GEMM rate; 0 when
