@@ -70,7 +70,7 @@ expert_cpu_seconds() {
 flags=(--experts=cluster --cluster "${work}/cluster.textproto" --n_layer 4 --d_model 128
        --n_head 4 --block_size 128 --d_ff 512 --dense_ff 512 --threads 1 --steps "${steps}"
        --warmup 5 --lr 1e-3 --eval_every 1000000 --eval_windows 1 --log_every 1000000
-       --metrics_port=-1 --blas_probe=false --gemm_gflops=-1 --dist_timeout_s 120)
+       --metrics_port=-1 --gemm_gflops=-1 --dist_timeout_s 120)
 
 # run NAME RANKS: one run; appends its results line.
 run() {
