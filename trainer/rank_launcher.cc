@@ -22,6 +22,7 @@
 #include "common/status_macros.h"
 #include "deploy/local/local_cluster.h"
 #include "deploy/local/process_set.h"
+#include "model/checkpoint_reader.h"
 #include "trainer/data_parallel.h"
 #include "trainer/training_run.h"
 
@@ -86,55 +87,37 @@ std::vector<std::string> WithoutRanksFlag(const std::vector<std::string>& args) 
   return out;
 }
 
-absl::StatusOr<int> LaunchRanks(const TrainerFlags& flags, const std::vector<std::string>& args) {
-  const int n = flags.ranks;
-  HIMOE_RETURN_IF_ERROR(ValidateTrainerFlags(flags));
-  HIMOE_ASSIGN_OR_RETURN(const TrainerOptions options, TrainerOptionsFromFlags(flags));
-  HIMOE_RETURN_IF_ERROR(CreateDirectories(flags.out_dir));
-  HIMOE_ASSIGN_OR_RETURN(const std::string self, SelfExecutable());
+namespace {
 
-  std::unique_ptr<local::LocalExpertCluster> experts;
-  std::vector<std::string> rank_args = WithoutRanksFlag(args);
-  int busy_cores = 0;
-  if (flags.experts == "local" && flags.expert_addresses.empty()) {
-    HIMOE_ASSIGN_OR_RETURN(experts, StartLocalExpertProcesses(flags, options.model));
-    rank_args.push_back(
-        absl::StrCat("--expert_addresses=", absl::StrJoin(experts->addresses(), ",")));
-    busy_cores = flags.num_groups * std::max(1, flags.expert_threads);
-    std::cerr << "experts: " << flags.num_groups << " himoe-expert processes on "
-              << absl::StrJoin(experts->addresses(), ", ") << " (logs in " << experts->log_dir()
-              << ")\n";
-  }
-  if (flags.threads == 0) {
-    rank_args.push_back(
-        absl::StrCat("--threads=", std::max(1, (DefaultThreadCount() - busy_cores) / n)));
-  }
-  HIMOE_ASSIGN_OR_RETURN(
-      std::unique_ptr<RendezvousStore> store,
-      RendezvousStore::Serve(0, n, std::chrono::seconds(std::max(1, flags.dist_timeout_s))));
-  // The ranks join the store served here (torchrun's agent-store variable).
-  setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+// How one attempt of the ranks ended.
+struct Outcome {
+  int code = 0;             // 0, the first failed rank's exit code, or 128 + signal
+  int failed = -1;          // that rank
+  int stop_signal = 0;      // a stop signal forwarded to the ranks
+  std::string description;  // "trainer rank 1 exited with code 1; see ..."
+};
+
+// Starts the ranks (`argv` for each, then its rank and the store's port),
+// follows rank 0's log and waits for all of them.
+absl::StatusOr<Outcome> RunRanks(const TrainerFlags& flags, const std::vector<std::string>& argv,
+                                 int port) {
+  const int n = flags.ranks;
   std::vector<local::ChildProcess> ranks;
   for (int r = 0; r < n; ++r) {
-    std::vector<std::string> argv = {self};
-    argv.insert(argv.end(), rank_args.begin(), rank_args.end());
-    argv.push_back(absl::StrCat("--world_size=", n));
-    argv.push_back(absl::StrCat("--rank=", r));
-    argv.push_back("--master_addr=127.0.0.1");
-    argv.push_back(absl::StrCat("--master_port=", store->port()));
-    ranks.emplace_back(absl::StrCat("trainer rank ", r),
-                       JoinPath(flags.out_dir, absl::StrCat("rank", r, ".log")));
-    HIMOE_RETURN_IF_ERROR(ranks.back().Spawn(argv));
+    std::vector<std::string> rank_argv = argv;
+    rank_argv.push_back(absl::StrCat("--rank=", r));
+    rank_argv.push_back(absl::StrCat("--master_port=", port));
+    const std::string log = JoinPath(flags.out_dir, absl::StrCat("rank", r, ".log"));
+    if (IsRegularFile(log)) HIMOE_RETURN_IF_ERROR(RenamePath(log, absl::StrCat(log, ".previous")));
+    ranks.emplace_back(absl::StrCat("trainer rank ", r), log);
+    HIMOE_RETURN_IF_ERROR(ranks.back().Spawn(rank_argv));
   }
-  std::cerr << "ranks: " << n << " himoe-trainer processes (logs in " << flags.out_dir
-            << "/rank<r>.log); rank 0's log follows\n";
   LogFollower follow(ranks[0].log_path());
-  std::optional<int> failed;  // the first failed rank
+  Outcome outcome;
   std::optional<std::chrono::steady_clock::time_point> failed_at;
-  int stop_signal = 0;
   while (true) {
-    if (const int sig = WaitForStopSignal(kPoll); sig != 0 && stop_signal == 0) {
-      stop_signal = sig;
+    if (const int sig = WaitForStopSignal(kPoll); sig != 0 && outcome.stop_signal == 0) {
+      outcome.stop_signal = sig;
       for (local::ChildProcess& rank : ranks) {
         if (!rank.Reap()) kill(rank.pid(), sig);
       }
@@ -144,8 +127,11 @@ absl::StatusOr<int> LaunchRanks(const TrainerFlags& flags, const std::vector<std
     for (int r = 0; r < n; ++r) {
       if (!ranks[r].Reap()) {
         running = true;
-      } else if (!failed.has_value() && ExitCode(ranks[r]) != 0) {
-        failed = r;
+      } else if (outcome.failed < 0 && ExitCode(ranks[r]) != 0) {
+        outcome.failed = r;
+        outcome.code = ExitCode(ranks[r]);
+        outcome.description = absl::StrCat(ranks[r].name(), " ", ranks[r].DescribeExit(), "; see ",
+                                           ranks[r].log_path());
         failed_at = std::chrono::steady_clock::now();
       }
     }
@@ -153,20 +139,84 @@ absl::StatusOr<int> LaunchRanks(const TrainerFlags& flags, const std::vector<std
     if (failed_at.has_value() && std::chrono::steady_clock::now() - *failed_at > kFailureGrace) {
       for (local::ChildProcess& rank : ranks) {
         if (!rank.Reap()) {
-          std::cerr << "killing " << rank.name() << " (rank " << *failed << " failed)\n";
+          std::cerr << "killing " << rank.name() << " (rank " << outcome.failed << " failed)\n";
           rank.Kill();
         }
       }
     }
   }
   follow.Poll();
-  if (!failed.has_value()) return 0;
-  const local::ChildProcess& first = ranks[*failed];
-  if (stop_signal == 0 || ExitCode(first) != 128 + stop_signal) {
-    std::cerr << "himoe-trainer: " << first.name() << " " << first.DescribeExit() << "; see "
-              << first.log_path() << "\n";
+  return outcome;
+}
+
+}  // namespace
+
+absl::StatusOr<int> LaunchRanks(const TrainerFlags& flags, const std::vector<std::string>& args) {
+  const int n = flags.ranks;
+  HIMOE_RETURN_IF_ERROR(ValidateTrainerFlags(flags));
+  HIMOE_ASSIGN_OR_RETURN(const TrainerOptions options, TrainerOptionsFromFlags(flags));
+  HIMOE_RETURN_IF_ERROR(CreateDirectories(flags.out_dir));
+  HIMOE_ASSIGN_OR_RETURN(const std::string self, SelfExecutable());
+
+  std::unique_ptr<local::LocalExpertCluster> experts;
+  std::vector<std::string> argv = {self};
+  for (const std::string& a : WithoutRanksFlag(args)) {
+    if (a != "--resume" && a != "--resume=true") argv.push_back(a);
   }
-  return ExitCode(first);
+  int busy_cores = 0;
+  if (flags.experts == "local" && flags.expert_addresses.empty()) {
+    HIMOE_ASSIGN_OR_RETURN(experts, StartLocalExpertProcesses(flags, options.model));
+    argv.push_back(absl::StrCat("--expert_addresses=", absl::StrJoin(experts->addresses(), ",")));
+    busy_cores = flags.num_groups * std::max(1, flags.expert_threads);
+    std::cerr << "experts: " << flags.num_groups << " himoe-expert processes on "
+              << absl::StrJoin(experts->addresses(), ", ") << " (logs in " << experts->log_dir()
+              << ")\n";
+  }
+  if (flags.threads == 0) {
+    argv.push_back(
+        absl::StrCat("--threads=", std::max(1, (DefaultThreadCount() - busy_cores) / n)));
+  }
+  // The launcher recovers a lost group; each rank fails (and so ends the
+  // attempt) instead.
+  const bool recover = experts != nullptr && WaitAndResume(flags);
+  argv.push_back("--on_group_failure=fail");
+  argv.push_back(absl::StrCat("--world_size=", n));
+  argv.push_back("--master_addr=127.0.0.1");
+  // The ranks join the store served here (torchrun's agent-store variable).
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  std::cerr << "ranks: " << n << " himoe-trainer processes (logs in " << flags.out_dir
+            << "/rank<r>.log); rank 0's log follows\n";
+  const std::string checkpoints = JoinPath(flags.out_dir, "checkpoints");
+  bool resume = flags.resume;
+  for (int restarts = 0;; ++restarts) {
+    std::vector<std::string> attempt = argv;
+    if (resume) attempt.push_back("--resume");
+    // A fresh store each attempt: no key of the last one is left.
+    HIMOE_ASSIGN_OR_RETURN(
+        std::unique_ptr<RendezvousStore> store,
+        RendezvousStore::Serve(0, n, std::chrono::seconds(std::max(1, flags.dist_timeout_s))));
+    HIMOE_ASSIGN_OR_RETURN(const Outcome outcome, RunRanks(flags, attempt, store->port()));
+    if (outcome.code == 0) return 0;
+    const bool stopped = outcome.stop_signal != 0 && outcome.code == 128 + outcome.stop_signal;
+    // A lost group is an expert process that exited.
+    const absl::Status groups = experts != nullptr ? experts->CheckAlive() : absl::OkStatus();
+    if (stopped || !recover || groups.ok() || restarts >= flags.max_group_restarts) {
+      if (!stopped) std::cerr << "himoe-trainer: " << outcome.description << "\n";
+      if (!groups.ok() && recover) {
+        std::cerr << "himoe-trainer: giving up after " << restarts
+                  << " recovered group failures: " << groups.message() << "\n";
+      }
+      return outcome.code;
+    }
+    std::cerr << "\nexpert group failure (" << restarts + 1 << " of at most "
+              << flags.max_group_restarts << " recovered): " << groups.message() << "; "
+              << outcome.description << "\n";
+    HIMOE_ASSIGN_OR_RETURN(const std::vector<int> restarted, experts->RestartExited());
+    std::cerr << "restarted expert group(s) " << absl::StrJoin(restarted, ", ") << "\n";
+    resume = model::LatestCheckpoint(checkpoints).ok();
+    std::cerr << "restarting the " << n << " ranks "
+              << (resume ? "from the newest checkpoint" : "from step 0 (no checkpoint)") << "\n";
+  }
 }
 
 }  // namespace himoe::trainer

@@ -17,8 +17,11 @@ namespace himoe::trainer {
 // the cores), follows rank 0's log on stderr and waits. A stop signal goes to
 // every rank (they stop after the same step; rank 0 checkpoints). When a
 // rank fails the others fail within seconds, and any left after 10 s are
-// killed. Logs: <out_dir>/rank<r>.log. Returns the exit code: 0, the first
-// failed rank's, or 128 + the stop signal.
+// killed; if an expert process had exited, under wait_and_resume, the group
+// and then every rank start again from the newest checkpoint (up to
+// --max_group_restarts times). Logs: <out_dir>/rank<r>.log (the last
+// attempt's; the one before as .previous). Returns the exit code: 0, the
+// first failed rank's, or 128 + the stop signal.
 absl::StatusOr<int> LaunchRanks(const TrainerFlags& flags, const std::vector<std::string>& args);
 
 // `args` without --ranks (as --ranks=N or --ranks N).

@@ -154,7 +154,9 @@ ABSL_FLAG(int, master_port, -1,
 ABSL_FLAG(int, ranks, 1,
           "data parallel on this host: start this many ranks of himoe-trainer (and, with "
           "--experts=local, one set of expert processes they share), serve their rendezvous, "
-          "follow rank 0's log and wait for them, as torchrun does");
+          "follow rank 0's log and wait for them, as torchrun does; under "
+          "--on_group_failure=wait_and_resume a lost expert process is restarted and every "
+          "rank resumes from the newest checkpoint");
 ABSL_FLAG(int, dist_timeout_s, 300,
           "data parallel: seconds the rendezvous and each collective wait for the other ranks");
 

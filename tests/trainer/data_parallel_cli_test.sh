@@ -8,7 +8,9 @@
 #   uninterrupted 2-rank run;
 # - rank 1 SIGKILLed mid-run: rank 0 fails naming it, and no process is left;
 # - --ranks 2 with --experts=local: one set of expert processes, the losses of
-#   1 rank with --grad_accum 2; an expert process SIGKILLed ends the run
+#   1 rank with --grad_accum 2; an expert process SIGKILLed is restarted with
+#   both ranks, which resume from the newest checkpoint and end byte for byte
+#   as the uninterrupted run; with --on_group_failure=fail it ends the run
 #   naming its group, with no process left.
 set -euo pipefail
 trainer="${HIMOE_BUILD_DIR}/trainer/himoe-trainer"
@@ -146,9 +148,29 @@ paste <(losses "${out}/local_one/metrics.jsonl") <(losses "${out}/local_two/metr
   awk '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > 1e-4) { print "step " NR ": " $1 " vs " $2; bad = 1 } }
        END { if (NR != 6) { print NR " steps"; bad = 1 } exit bad }'
 
-# An expert group SIGKILLed under 2 ranks: the run ends with an error naming
-# the group, and the launcher leaves no process behind.
-"${trainer}" "${flags[@]}" --experts=local --ranks 2 --steps 100000 \
+# An expert group SIGKILLed under 2 ranks, --on_group_failure=wait_and_resume
+# (the default with local experts): the launcher restarts the group and both
+# ranks from the newest checkpoint, and the run ends byte for byte as an
+# uninterrupted one.
+"${trainer}" "${flags[@]}" --experts=local --ranks 2 --steps 12 --checkpoint_every 4 \
+  --out_dir "${out}/healed_plain" 2>"${out}/healed_plain.log" ||
+  { show "${out}/healed_plain.log"; exit 1; }
+"${trainer}" "${flags[@]}" --experts=local --ranks 2 --steps 12 --checkpoint_every 4 \
+  --out_dir "${out}/healed" 2>"${out}/healed.log" &
+launcher=$!
+pids+=("${launcher}")
+wait_step "${out}/healed/metrics.jsonl" 6
+kill -KILL "$(cat "${out}/healed/experts/expert-1.pid")"
+wait "${launcher}" || { show "${out}/healed.log"; exit 1; }
+grep -q 'expert group failure (1 of at most 3 recovered)' "${out}/healed.log"
+grep -q 'resumed from .*step_00000004 at step 4' "${out}/healed.log"
+for f in dense.pt experts_g0.pt experts_g1.pt data.txt; do
+  cmp "${out}/healed/checkpoints/step_00000012/${f}" "${out}/healed_plain/checkpoints/step_00000012/${f}"
+done
+
+# The same with --on_group_failure=fail: the run ends with an error naming the
+# group, and the launcher leaves no process behind.
+"${trainer}" "${flags[@]}" --experts=local --ranks 2 --steps 100000 --on_group_failure=fail \
   --out_dir "${out}/group_killed" 2>"${out}/group_killed.log" &
 launcher=$!
 pids+=("${launcher}")
