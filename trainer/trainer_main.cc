@@ -12,6 +12,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "common/compute_setup.h"
 #include "common/metrics_endpoint.h"
 #include "common/service_main.h"
@@ -304,6 +305,22 @@ absl::Status Run(int* stop_signal) {
   return run->Report();
 }
 
+// --ranks: the compute set-up made once, on the idle machine, before any
+// rank or expert process starts: they inherit the BLIS kernels chosen, and
+// the ranks the GEMM rate (MFU is the step's, all ranks' tokens, against
+// the machine's rate).
+absl::StatusOr<int> LaunchRanksAfterComputeSetUp(const TrainerFlags& flags,
+                                                 std::vector<std::string> args) {
+  HIMOE_RETURN_IF_ERROR(ValidateTrainerFlags(flags));
+  HIMOE_ASSIGN_OR_RETURN(const ComputeOptions compute_options, ComputeOptionsFromFlags(flags));
+  HIMOE_ASSIGN_OR_RETURN(const ComputeSetup compute, ConfigureCompute(compute_options));
+  LogComputeSetup(compute);
+  if (flags.gemm_gflops == 0 && compute.gemm_gflops > 0) {
+    args.push_back(absl::StrCat("--gemm_gflops=", compute.gemm_gflops));
+  }
+  return LaunchRanks(flags, args);
+}
+
 }  // namespace
 }  // namespace himoe::trainer
 
@@ -312,7 +329,7 @@ int main(int argc, char** argv) {
   himoe::InitService(argc, argv, himoe::trainer::Info());
   if (const himoe::trainer::TrainerFlags flags = himoe::trainer::FlagsFromCommandLine();
       flags.ranks > 1) {
-    const absl::StatusOr<int> code = himoe::trainer::LaunchRanks(flags, args);
+    const absl::StatusOr<int> code = himoe::trainer::LaunchRanksAfterComputeSetUp(flags, args);
     if (!code.ok()) {
       std::cerr << "himoe-trainer: " << code.status() << "\n";
       return 1;
