@@ -94,7 +94,7 @@ struct Outcome {
   int code = 0;             // 0, the first failed rank's exit code, or 128 + signal
   int failed = -1;          // that rank
   int stop_signal = 0;      // a stop signal forwarded to the ranks
-  std::string description;  // "trainer rank 1 exited with code 1; see ..."
+  std::string description;  // each failed rank's exit and the end of its log
 };
 
 // Starts the ranks (`argv` for each, then its rank and the store's port),
@@ -114,6 +114,7 @@ absl::StatusOr<Outcome> RunRanks(const TrainerFlags& flags, const std::vector<st
   }
   LogFollower follow(ranks[0].log_path());
   Outcome outcome;
+  std::vector<bool> described(n, false);
   std::optional<std::chrono::steady_clock::time_point> failed_at;
   while (true) {
     if (const int sig = WaitForStopSignal(kPoll); sig != 0 && outcome.stop_signal == 0) {
@@ -127,12 +128,18 @@ absl::StatusOr<Outcome> RunRanks(const TrainerFlags& flags, const std::vector<st
     for (int r = 0; r < n; ++r) {
       if (!ranks[r].Reap()) {
         running = true;
-      } else if (outcome.failed < 0 && ExitCode(ranks[r]) != 0) {
-        outcome.failed = r;
-        outcome.code = ExitCode(ranks[r]);
-        outcome.description = absl::StrCat(ranks[r].name(), " ", ranks[r].DescribeExit(), "; see ",
-                                           ranks[r].log_path());
-        failed_at = std::chrono::steady_clock::now();
+      } else if (!described[r] && ExitCode(ranks[r]) != 0) {
+        // Every failed rank's end: the first to fail may be seen after the
+        // ones its exit failed.
+        described[r] = true;
+        if (outcome.failed < 0) {
+          outcome.failed = r;
+          outcome.code = ExitCode(ranks[r]);
+          failed_at = std::chrono::steady_clock::now();
+        }
+        absl::StrAppend(&outcome.description, outcome.description.empty() ? "" : "\n",
+                        ranks[r].name(), " ", ranks[r].DescribeExit(), "; the end of ",
+                        ranks[r].log_path(), ":\n", ranks[r].LogTail(2));
       }
     }
     if (!running) break;
