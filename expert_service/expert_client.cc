@@ -58,6 +58,13 @@ absl::StatusOr<std::unique_ptr<ExpertGroupClient>> ExpertGroupClient::Create(
     // 20 s by default; at 100 ms a handshake on a loaded machine misses it.)
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    if (options.keepalive.count() > 0) {
+      const int ms = static_cast<int>(options.keepalive.count());
+      args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, ms);
+      args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ms);
+      args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+      args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    }
     auto channel =
         grpc::CreateCustomChannel(address, credentials, args);
     client->stubs_.push_back(v1::ExpertService::NewStub(channel));
@@ -176,15 +183,19 @@ void ExpertGroupClient::Attempt(std::shared_ptr<Call> call) {
     }
     absl::StrAppend(&call->errors, call->errors.empty() ? "" : "; ",
                     options_.addresses[call->replica], ": ", status.error_message());
+    // This client never cancels a call: a CANCELLED one was cancelled by the
+    // group, shutting down, and is as lost as an unreachable one.
+    const bool cancelled = status.error_code() == grpc::StatusCode::CANCELLED;
     const bool retriable = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                           status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+                           status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED || cancelled;
     if (retriable && call->failover && call->replica + 1 < stubs_.size()) {
       ++call->replica;
       Attempt(call);
       return;
     }
     // Input errors come back as they are; transport errors name the group.
-    const absl::Status s = FromGrpcStatus(status);
+    const absl::Status s =
+        cancelled ? absl::UnavailableError("cancelled by the group") : FromGrpcStatus(status);
     call->done(retriable ? absl::Status(s.code(), absl::StrCat("expert group ", options_.group_id,
                                                                " unreachable (", call->errors, ")"))
                          : Named(status, call->replica));

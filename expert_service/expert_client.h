@@ -32,6 +32,11 @@ struct ExpertGroupClientOptions {
   // A replica's first Forward answer pins its weights fingerprint, unless
   // PinWeights pinned one before (see PinWeights).
   bool pin_weights = false;
+  // > 0: an HTTP/2 ping on every connection this often; a connection whose
+  // ping is not answered within as long again is closed, failing its calls
+  // with UNAVAILABLE (a stopped process, a cut or stalled link). 0 = off: a
+  // hung group is found by the calls' deadline alone.
+  std::chrono::milliseconds keepalive{0};
 };
 
 // Client of one expert group (and its replicas). Calls are asynchronous

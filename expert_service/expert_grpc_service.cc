@@ -345,6 +345,10 @@ absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(
   // One process per port: with SO_REUSEPORT a second server on a taken port
   // would share its connections.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Clients' keepalive pings (ExpertGroupClientOptions::keepalive) are
+  // answered however often they come, idle or not, never with a GOAWAY.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 50);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   builder.AddListeningPort(JoinHostPort(listen.host, listen.port), credentials, &server->port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);

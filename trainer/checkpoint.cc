@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <system_error>
 #include <type_traits>
@@ -36,6 +37,11 @@ using NamedTensors = std::vector<NamedTensor>;
 
 constexpr char kOptimizerFile[] = "optimizer.pt";
 constexpr char kDataFile[] = "data.txt";
+constexpr const char* kAdamWFields[] = {"exp_avg", "exp_avg_sq", "step"};
+
+using AdamWKey = std::decay_t<decltype(std::declval<torch::optim::AdamW&>().state())>::key_type;
+using AdamWEntries =
+    std::vector<std::pair<AdamWKey, std::unique_ptr<torch::optim::AdamWParamState>>>;
 
 // ---- Files.
 
@@ -44,6 +50,73 @@ std::string Pickle(const NamedTensors& tensors) {
   for (const auto& [name, t] : tensors) dict.insert(name, t.detach().cpu().contiguous().clone());
   const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
   return std::string(bytes.begin(), bytes.end());
+}
+
+// The dense AdamW state by parameter name: "<name>.exp_avg",
+// "<name>.exp_avg_sq" and "<name>.step" (an int64 scalar) for each parameter
+// with state, in the model's order. (torch::save(optimizer) files the state
+// under the parameters' addresses: equal states would give other bytes in
+// every process.)
+NamedTensors DenseOptimizerState(Trainer& trainer) {
+  NamedTensors out;
+  const auto& states = trainer.optimizer().state();
+  for (const auto& item : trainer.model().named_parameters()) {
+    const auto it = states.find(OptimizerStateKey<AdamWKey>(item.value().unsafeGetTensorImpl()));
+    if (it == states.end()) continue;
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    out.emplace_back(item.key() + ".exp_avg", s.exp_avg());
+    out.emplace_back(item.key() + ".exp_avg_sq", s.exp_avg_sq());
+    out.emplace_back(item.key() + ".step", at::scalar_tensor(s.step(), at::kLong));
+  }
+  return out;
+}
+
+// DenseOptimizerState's tensors checked against the model (every name a
+// parameter's field, shapes equal, the three fields together) and built into
+// state entries, not applied yet.
+absl::StatusOr<AdamWEntries> MatchOptimizerState(Trainer& trainer, const NamedTensors& saved,
+                                                 const std::string& where) {
+  std::map<std::string, at::Tensor> params;
+  for (const auto& item : trainer.model().named_parameters()) params[item.key()] = item.value();
+  std::map<std::string, std::map<std::string, at::Tensor>> fields;
+  for (const auto& [name, t] : saved) {
+    const size_t dot = name.rfind('.');
+    const std::string param = dot == std::string::npos ? "" : name.substr(0, dot);
+    const std::string field = dot == std::string::npos ? "" : name.substr(dot + 1);
+    const bool known =
+        params.count(param) > 0 && (field == "exp_avg" || field == "exp_avg_sq" || field == "step");
+    if (!known) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, ": optimizer.pt: '", name,
+          "' is not <parameter>.<exp_avg|exp_avg_sq|step> of a parameter of this model"));
+    }
+    const bool step = field == "step";
+    if (step ? (t.dim() != 0 || t.scalar_type() != at::kLong)
+             : !t.sizes().equals(params[param].sizes())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, ": optimizer.pt: '", name, "' has shape ", c10::str(t.sizes()), " ",
+                       c10::toString(t.scalar_type()), "; expected ",
+                       step ? "an int64 scalar" : c10::str(params[param].sizes())));
+    }
+    fields[param][field] = t;
+  }
+  AdamWEntries out;
+  for (auto& [param, f] : fields) {
+    for (const char* name : kAdamWFields) {
+      if (f.count(name) == 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(where, ": optimizer.pt: '", param, "' lacks ", name,
+                         "; exp_avg, exp_avg_sq and step go together"));
+      }
+    }
+    const at::Tensor& p = params[param];
+    auto state = std::make_unique<torch::optim::AdamWParamState>();
+    state->step(f["step"].item<int64_t>());
+    state->exp_avg(f["exp_avg"].to(p.device(), p.scalar_type()).clone());
+    state->exp_avg_sq(f["exp_avg_sq"].to(p.device(), p.scalar_type()).clone());
+    out.emplace_back(OptimizerStateKey<AdamWKey>(p.unsafeGetTensorImpl()), std::move(state));
+  }
+  return out;
 }
 
 // ---- Saving.
@@ -77,9 +150,7 @@ absl::Status WriteCheckpointFiles(Trainer& trainer, CheckpointFileWriter& out) {
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     at::NoGradGuard no_grad;
     dense = Pickle(model::DenseState(trainer.model()));
-    std::ostringstream stream;
-    torch::save(trainer.optimizer(), stream);
-    optimizer = stream.str();
+    optimizer = Pickle(DenseOptimizerState(trainer));
     return absl::OkStatus();
   }));
   HIMOE_RETURN_IF_ERROR(out.Write(model::kCheckpointDenseFile, dense));
@@ -189,7 +260,8 @@ absl::Status CheckSameModel(const v1::ModelConfig& checkpoint, const v1::ModelCo
                    absl::StrJoin(differences.differences(), "; ")));
 }
 
-// A scratch AdamW over the same parameters with the same group structure,
+// A scratch AdamW over the same parameters (optimizer.pt as torch::save
+// wrote it, in checkpoints of earlier versions) with the same group structure,
 // loaded from `data`: proves torch::load will succeed on the real one and
 // checks the state shapes, without touching the real optimizer.
 absl::Status ValidateOptimizerState(torch::optim::AdamW& real, const std::string& data,
@@ -234,6 +306,9 @@ struct ValidatedCheckpoint {
   int64_t step = 0;
   std::map<std::string, std::string> files;
   std::vector<std::pair<at::Tensor, at::Tensor>> dense;  // (live, saved)
+  // Empty with `legacy_optimizer`: optimizer.pt is torch::save's.
+  AdamWEntries optimizer;
+  bool legacy_optimizer = false;
   std::vector<NamedTensors> experts;
 };
 
@@ -254,8 +329,20 @@ absl::StatusOr<ValidatedCheckpoint> ReadAndValidate(Trainer& trainer, const std:
                          model::UnpickleTensors(out.files[model::kCheckpointDenseFile],
                                                 absl::StrCat(where, ": dense.pt")));
   HIMOE_ASSIGN_OR_RETURN(out.dense, model::MatchDenseState(trainer.model(), saved_dense, where));
-  HIMOE_RETURN_IF_ERROR(
-      ValidateOptimizerState(trainer.optimizer(), out.files[kOptimizerFile], where));
+  const absl::StatusOr<NamedTensors> saved_optimizer =
+      model::UnpickleTensors(out.files[kOptimizerFile], absl::StrCat(where, ": optimizer.pt"));
+  if (saved_optimizer.ok()) {
+    absl::StatusOr<AdamWEntries> matched;
+    HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
+      matched = MatchOptimizerState(trainer, *saved_optimizer, where);
+      return matched.status();
+    }));
+    out.optimizer = std::move(matched).value();
+  } else {
+    out.legacy_optimizer = true;
+    HIMOE_RETURN_IF_ERROR(
+        ValidateOptimizerState(trainer.optimizer(), out.files[kOptimizerFile], where));
+  }
   for (int g = 0; g < num_groups; ++g) {
     const std::string name = model::CheckpointExpertsFile(g);
     HIMOE_ASSIGN_OR_RETURN(
@@ -288,8 +375,14 @@ absl::Status Apply(Trainer& trainer, ValidatedCheckpoint& c, const std::string& 
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     at::NoGradGuard no_grad;
     for (const auto& [live, saved] : c.dense) live.copy_(saved);
-    std::istringstream in(c.files[kOptimizerFile]);
-    torch::load(trainer.optimizer(), in);
+    if (c.legacy_optimizer) {
+      std::istringstream in(c.files[kOptimizerFile]);
+      torch::load(trainer.optimizer(), in);
+      return absl::OkStatus();
+    }
+    auto& states = trainer.optimizer().state();
+    states.clear();
+    for (auto& [key, state] : c.optimizer) states[key] = std::move(state);
     return absl::OkStatus();
   }));
   trainer.set_step(c.step);

@@ -204,6 +204,7 @@ class RemoteBackend final : public ExpertBackend {
       go.group_id = g;
       go.addresses = {o.addresses[g]};
       go.deadline = o.deadline;
+      go.keepalive = o.keepalive;
       go.tls = o.tls;
       HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(go));
       v1::ExpertInfoResponse info;

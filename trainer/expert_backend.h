@@ -96,6 +96,8 @@ struct ExpertBackendOptions {
   // Remote only: one address per group.
   std::vector<std::string> addresses;
   std::chrono::milliseconds deadline{60000};
+  // Remote only: ExpertGroupClientOptions::keepalive of every group's client.
+  std::chrono::milliseconds keepalive{0};
   // Remote only: mutual TLS to every group (empty = plaintext).
   TlsFiles tls;
   // Remote only: when set, Create begins this training run on every group

@@ -106,6 +106,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
   bo.shape = model::ExpertShapeFor(o.model);
   bo.addresses = o.expert_addresses;
   bo.tls = o.tls;
+  bo.keepalive = o.group_keepalive;
   bo.wire_dtype = o.wire_dtype;
   bo.shared_memory = o.shared_memory;
   bo.on_rpc = o.on_rpc;

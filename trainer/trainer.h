@@ -1,6 +1,7 @@
 #ifndef HIMOE_TRAINER_TRAINER_H_
 #define HIMOE_TRAINER_TRAINER_H_
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -37,6 +38,8 @@ struct TrainerOptions {
   std::vector<std::string> expert_addresses;
   // Mutual TLS to the expert services (empty = plaintext).
   TlsFiles tls;
+  // Remote experts: ExpertBackendOptions::keepalive.
+  std::chrono::milliseconds group_keepalive{0};
   // Where the experts run, as recorded in the checkpoints and the run log:
   // local, cluster or inprocess; empty = "remote" or "inprocess".
   std::string experts_mode;

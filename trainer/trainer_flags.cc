@@ -100,6 +100,10 @@ absl::Status ValidateTrainerFlags(const TrainerFlags& f) {
   if (f.max_group_restarts < 0) {
     return Refuse("max_group_restarts", "a count >= 0", absl::StrCat(f.max_group_restarts));
   }
+  if (f.group_keepalive_ms < 0) {
+    return Refuse("group_keepalive_ms", "milliseconds >= 0 (0 = off)",
+                  absl::StrCat(f.group_keepalive_ms));
+  }
   if (f.group_wait_s < 0) {
     return Refuse("group_wait_s", "seconds >= 0", absl::StrCat(f.group_wait_s));
   }
@@ -178,6 +182,7 @@ absl::StatusOr<TrainerOptions> TrainerOptionsFromFlags(const TrainerFlags& f) {
   o.experts_mode = f.experts;
   o.wire_dtype = f.wire_dtype == "bfloat16" ? c10::kBFloat16 : c10::kFloat;
   o.take_over_served_experts = f.take_over_served_experts;
+  o.group_keepalive = std::chrono::milliseconds(f.group_keepalive_ms);
   return o;
 }
 

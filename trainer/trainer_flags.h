@@ -97,6 +97,7 @@ struct TrainerFlags {
   int max_group_restarts = 3;
   TlsFiles tls;
   int group_wait_s = 300;
+  int group_keepalive_ms = 2000;
   int64_t log_every = 10;
   // Data parallel: this process's rank of world_size; -1 / 0 = the
   // torchrun environment's (RANK, WORLD_SIZE), else 0 of 1. The rendezvous
@@ -116,7 +117,7 @@ struct TrainerFlags {
 // starts: --experts, --cluster (needed with --experts=cluster),
 // --expert_metrics_port, --wire_dtype, --matmul_dtype, --init,
 // --on_group_failure, --log_every, --keep_checkpoints, --max_group_restarts,
-// --group_wait_s. The model and routing values are checked by
+// --group_wait_s, --group_keepalive_ms. The model and routing values are checked by
 // TrainerOptionsFromFlags.
 absl::Status ValidateTrainerFlags(const TrainerFlags& flags);
 

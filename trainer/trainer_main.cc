@@ -141,6 +141,11 @@ ABSL_FLAG(std::string, on_group_failure, "",
 ABSL_FLAG(int, max_group_restarts, 3, "group failures wait_and_resume recovers from, then fails");
 ABSL_FLAG(int, group_wait_s, 300,
           "wait_and_resume: seconds to wait for the groups to serve again");
+ABSL_FLAG(int, group_keepalive_ms, 2000,
+          "remote experts: ping every group's connection this often and fail the calls of one "
+          "whose ping is not answered within as long again (a stopped process, a cut or stalled "
+          "link: UNAVAILABLE, which --on_group_failure handles); 0 = off, the 60 s call deadline "
+          "alone");
 ABSL_FLAG(int64_t, log_every, 10, "progress line every N steps when not on a terminal");
 ABSL_FLAG(int, rank, -1,
           "data parallel: this process's rank; -1 = $RANK, else 0. Rank 0 evaluates, "
@@ -259,6 +264,7 @@ void ReadRunFlags(TrainerFlags& f) {
   f.on_group_failure = absl::GetFlag(FLAGS_on_group_failure);
   f.max_group_restarts = absl::GetFlag(FLAGS_max_group_restarts);
   f.group_wait_s = absl::GetFlag(FLAGS_group_wait_s);
+  f.group_keepalive_ms = absl::GetFlag(FLAGS_group_keepalive_ms);
   f.log_every = absl::GetFlag(FLAGS_log_every);
   f.rank = absl::GetFlag(FLAGS_rank);
   f.world_size = absl::GetFlag(FLAGS_world_size);

@@ -417,10 +417,11 @@ absl::Status TrainingRun::WaitForGroups() {
     }
     if (down.ok()) break;
     if (std::chrono::steady_clock::now() > deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("--on_group_failure=wait_and_resume: the groups did not all serve again "
-                       "within ",
-                       flags_.group_wait_s, " s: ", down.message()));
+      const absl::StatusOr<std::string> last = model::LatestCheckpoint(checkpoints_);
+      return absl::DeadlineExceededError(absl::StrCat(
+          "--on_group_failure=wait_and_resume: the groups did not all serve again within ",
+          flags_.group_wait_s, " s: ", down.message(), "; the last good checkpoint is ",
+          last.ok() ? absl::StrCat(*last, " (continue with --resume)") : "none"));
     }
     if (const int sig = WaitForStopSignal(std::chrono::milliseconds(200)); sig != 0) {
       stop_signal_ = sig;

@@ -344,6 +344,33 @@ TEST(CheckpointTest, LoadRestoresExactlyWhatWasSaved) {
   EXPECT_EQ(b->step(), 2);
 }
 
+// Equal states make equal files: a run and its resumed copy (other tensor
+// addresses) write byte-identical checkpoints, the dense AdamW state included,
+// so runs can be compared by the files' sha256.
+TEST(CheckpointTest, EqualStatesWriteIdenticalBytes) {
+  const TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  TempDir a_root, b_root;
+  auto a = MakeTrainer(o);
+  ASSERT_NE(a, nullptr);
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(a->Step().ok());
+  ASSERT_TRUE(SaveCheckpoint(*a, a_root.path(), 1).ok());
+  auto b = MakeTrainer(o);
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(LoadCheckpoint(*b, a_root.path() + "/" + CheckpointDirName(2)).ok());
+  ASSERT_TRUE(a->Step().ok());
+  ASSERT_TRUE(b->Step().ok());
+  ASSERT_TRUE(SaveCheckpoint(*a, a_root.path(), 1).ok());
+  ASSERT_TRUE(SaveCheckpoint(*b, b_root.path(), 1).ok());
+  const std::string a_dir = a_root.Sub(CheckpointDirName(3));
+  const std::string b_dir = b_root.Sub(CheckpointDirName(3));
+  ASSERT_EQ(Entries(a_dir), Entries(b_dir));
+  for (const std::string& name : Entries(a_dir)) {
+    EXPECT_TRUE(ReadAll(JoinPath(a_dir, name)) == ReadAll(JoinPath(b_dir, name))) << name;
+  }
+  // The loaded moments are the saved ones, not just equal bytes by chance.
+  ExpectStatesEqual(DenseOptimizerState(*a), DenseOptimizerState(*b));
+}
+
 // nanoGPT's get_lr, written out: linear warmup over `warmup` iterations to
 // max_lr, then a half cosine from max_lr down to min_lr at `decay_steps`,
 // min_lr after. `it` is the 0-based iteration (the step about to be taken).
