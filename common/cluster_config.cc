@@ -84,6 +84,7 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
   if (r.max_queue_requests() == 0) r.set_max_queue_requests(4096);
   if (r.max_batches_in_flight() == 0) r.set_max_batches_in_flight(2);
   if (r.max_tokens_per_request() == 0) r.set_max_tokens_per_request(65536);
+  if (!r.has_keepalive_ms()) r.set_keepalive_ms(2000);
 
   if (m.num_layers() < 1) return Invalid(origin, "model.num_layers must be >= 1");
   if (m.d_model() < 1) return Invalid(origin, "model.d_model must be >= 1");
@@ -129,6 +130,10 @@ absl::StatusOr<v1::ClusterConfig> ParseClusterConfig(absl::string_view text,
                            "max_batches_in_flight must be >= 1, max_queue_delay_us >= 0");
   }
   if (r.threads() < 0) return Invalid(origin, "router.threads must be >= 0");
+  if (r.keepalive_ms() < 0) {
+    return Invalid(
+        origin, absl::StrCat("router.keepalive_ms must be >= 0 (0 = off), got ", r.keepalive_ms()));
+  }
   if (r.shared_memory()) {
     for (int g = 0; g < c.groups_size(); ++g) {
       std::vector<std::pair<std::string, std::string>> addresses = {

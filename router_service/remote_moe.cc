@@ -129,10 +129,14 @@ absl::StatusOr<MoEOutput> RemoteMoE::Forward(int layer, const at::Tensor& x,
           std::chrono::duration<double>(flight.group_done[g] - flight.start).count(), rows);
     }
   }
-  if (options_.reload_changed_experts && absl::IsFailedPrecondition(outputs.status())) {
-    ReloadChanged();
-  }
+  const bool reloaded = options_.reload_changed_experts &&
+                        absl::IsFailedPrecondition(outputs.status()) && ReloadChanged();
   HIMOE_RETURN_IF_ERROR(sent);
+  if (reloaded) {
+    // The group serves the loaded model again: a retry gets its answer.
+    return absl::UnavailableError(absl::StrCat(
+        outputs.status().message(), "; the loaded experts were pushed to it again: retry"));
+  }
   HIMOE_RETURN_IF_ERROR(outputs.status());
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     out.output = CombineGroupOutputs(x.size(0), x.size(1), out.routing.groups, *outputs);
@@ -255,7 +259,7 @@ absl::Status RemoteMoE::VerifyGroups(std::chrono::milliseconds timeout) {
   return absl::OkStatus();
 }
 
-void RemoteMoE::ReloadChanged() {
+bool RemoteMoE::ReloadChanged() {
   std::lock_guard<std::mutex> reload(reload_mu_);
   std::vector<std::pair<int, size_t>> changed;
   {
@@ -264,8 +268,13 @@ void RemoteMoE::ReloadChanged() {
   }
   std::sort(changed.begin(), changed.end());
   changed.erase(std::unique(changed.begin(), changed.end()), changed.end());
+  if (changed.empty()) return last_reload_ok_;  // reloaded by the call before
+  bool ok = true;
   for (const auto& [g, replica] : changed) {
-    if (loaded_[g].empty()) continue;  // nothing was pushed: nothing to reload
+    if (loaded_[g].empty()) {  // nothing was pushed: nothing to reload
+      ok = false;
+      continue;
+    }
     expert::ExpertGroupClient& client = *groups_[g];
     const absl::StatusOr<std::string> fingerprint = client.ServeState(loaded_[g], replica);
     if (fingerprint.ok()) {
@@ -274,11 +283,14 @@ void RemoteMoE::ReloadChanged() {
                    << " served other weights: the loaded experts are pushed again (weights "
                    << *fingerprint << ")";
     } else {
+      ok = false;
       LOG(ERROR) << "expert group " << g
                  << ": reloading its experts failed: " << fingerprint.status();
     }
     if (observer_ != nullptr) observer_->OnExpertsReloaded(g, fingerprint.ok());
   }
+  last_reload_ok_ = ok;
+  return ok;
 }
 
 absl::Status RemoteMoE::LoadExpertState(int group, const std::vector<NamedTensor>& state) {
@@ -288,7 +300,8 @@ absl::Status RemoteMoE::LoadExpertState(int group, const std::vector<NamedTensor
   }
   // Every replica gets the weights; each is pinned to them. A replica that
   // cannot take them now is pinned to none it could serve, so its answers
-  // are refused (and, with reload_changed_experts, it gets them then).
+  // are refused (and, with reload_changed_experts, it gets them then: so
+  // even a group that no replica of which is up yet is no error).
   expert::ExpertGroupClient& client = *groups_[group];
   absl::Status first_error;
   int loaded = 0;
@@ -308,7 +321,8 @@ absl::Status RemoteMoE::LoadExpertState(int group, const std::vector<NamedTensor
                  << ": experts not loaded: " << fingerprint.status();
     if (first_error.ok()) first_error = fingerprint.status();
   }
-  if (loaded == 0) return first_error;
+  // Unreachable now, it gets them when it answers again, if reloading.
+  if (loaded == 0 && !options_.reload_changed_experts) return first_error;
   std::lock_guard<std::mutex> lock(reload_mu_);
   loaded_[group] = state;
   return absl::OkStatus();

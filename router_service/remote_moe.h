@@ -57,7 +57,9 @@ struct RemoteMoEOptions {
   // training them).
   bool pin_weights = false;
   // A group found serving other weights than those LoadExpertState pushed
-  // gets them pushed again (after the call that found it has failed).
+  // gets them pushed again (the call that found it fails UNAVAILABLE, to be
+  // retried); LoadExpertState then also accepts a group that cannot be
+  // reached yet, which gets them once it answers.
   bool reload_changed_experts = false;
 };
 
@@ -121,8 +123,9 @@ class RemoteMoE final : public model::MoELayers {
   // each group's outputs, row-aligned with its dispatch (undefined if none),
   // or the first error in call order.
   absl::StatusOr<std::vector<at::Tensor>> CollectOutputs(InFlight* flight);
-  // Pushes loaded_ again to the replicas found serving other weights.
-  void ReloadChanged();
+  // Pushes loaded_ again to the replicas found serving other weights. False
+  // when a push failed (or, with none left to push, the latest one did).
+  bool ReloadChanged();
 
   RemoteMoEOptions options_;
   std::vector<std::unique_ptr<RouterLayer>> routers_;
@@ -134,6 +137,7 @@ class RemoteMoE final : public model::MoELayers {
   std::mutex changed_mu_;
   std::vector<std::pair<int, size_t>> changed_;   // guarded by changed_mu_: (group, replica)
   std::vector<std::vector<NamedTensor>> loaded_;  // guarded by reload_mu_; by group
+  bool last_reload_ok_ = false;                   // guarded by reload_mu_
 };
 
 }  // namespace himoe::router

@@ -79,6 +79,7 @@ absl::StatusOr<RouterServerOptions> OptionsFromCluster(const v1::ClusterConfig& 
     go.addresses.push_back(g.address());
     go.addresses.insert(go.addresses.end(), g.replicas().begin(), g.replicas().end());
     go.deadline = std::chrono::milliseconds(cluster.router().deadline_ms());
+    go.keepalive = std::chrono::milliseconds(cluster.router().keepalive_ms());
     go.max_message_bytes = MaxMessageBytesFlag();
     go.tls = ClusterTls(cluster, GetServiceFlags().tls, ClusterRole::kRouter);
     o.moe.groups.push_back(go);

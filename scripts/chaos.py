@@ -9,10 +9,19 @@ coordinator host and one host per expert group, joined by a switch).
           with the fault-free run's losses, and the figures (detection,
           recovery, time lost a fault against the theoretical) are printed
           and written as Markdown (--out).
+  serve   a router serving a short training run's checkpoint, under
+          RouteForward and Generate load from scripts/chaos_load.py (in the
+          coordinator host) for --seconds, a fault every --interval s; every
+          answer must equal the in-process reference
+          (tests/trainer/himoe_serve_reference) or be a clear status naming
+          the group (or, while the router itself is down, the client's own),
+          no call may outlive the deadline, memory must stay flat and serving
+          must resume within --resume_s of each return.
 
-The schedule is (trigger step, target, fault, duration) from --seed: the same
+The schedule is (trigger, target, fault, duration) from --seed: the same
 seed replays the same faults. A fault fires once the run has reached its
-trigger step; faults that share a trigger step overlap. Faults:
+trigger (train: a step; serve: seconds of load); faults that share a
+trigger overlap. Faults:
 
   expert_kill, expert_term   SIGKILL / SIGTERM an expert process; it is started
                              again on its address after the duration
@@ -20,6 +29,9 @@ trigger step; faults that share a trigger step overlap. Faults:
   trainer_kill, trainer_term SIGKILL / SIGTERM the trainer; it is started again
                              with --resume (as a Job controller would)
   trainer_stop               SIGSTOP the trainer, SIGCONT after it
+  router_kill, router_term   SIGKILL / SIGTERM the router; started again on its
+                             address after the duration (serve)
+  router_stop                SIGSTOP the router, SIGCONT after it (serve)
   link_down                  a host's switch port down, up after it
   link_trickle               a host's link shaped to 16 kbit/s both ways
   conn_kill                  every TCP connection of a group's port destroyed
@@ -40,6 +52,9 @@ import sys
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hostinfo import cpu_model, rss_mib  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERT_PORT = 50091
 TRAIN_KINDS = ("expert_kill", "expert_term", "expert_stop", "trainer_kill", "trainer_term",
@@ -52,28 +67,32 @@ class Fault:
     def __init__(self, index, step, target, kind, duration):
         self.index, self.step, self.target, self.kind = index, step, target, kind
         self.duration = duration
+        self.unit = "step"     # what self.step counts: "step" or "s" (serve: seconds of load)
         self.fired = None      # time injected
         self.restored = None   # time the target was back (started, continued, link up)
         self.detected = None   # time of the first clear error after it
         self.recovered = None  # time of the first step after it was restored
 
     def describe(self):
-        return (f"#{self.index:02d} step {self.step:4d}  {self.kind:<13} {self.target:<8} "
-                f"{self.duration:.1f} s")
+        at = f"step {self.step:4d}" if self.unit == "step" else f"at {self.step:4d} s"
+        return f"#{self.index:02d} {at}  {self.kind:<13} {self.target:<8} {self.duration:.1f} s"
 
 
-def make_schedule(seed, count, steps, groups, kinds):
-    """count faults over steps [5, steps - 5], every kind at least once when
-    count allows; about one in four shares the previous fault's step
-    (overlapping) on another target."""
+def make_schedule(seed, count, steps, groups, kinds, spaced=False):
+    """count faults over steps [5, steps - 5] (spaced: one every
+    steps / (count + 1)), every kind at least once when count allows; about
+    one in four shares the previous fault's step (overlapping) on another
+    target."""
     rng = random.Random(seed)
     chosen = [kinds[i % len(kinds)] for i in range(count)]
     rng.shuffle(chosen)
     triggers = sorted(rng.randint(5, max(6, steps - 5)) for _ in range(count))
+    if spaced:
+        triggers = [(i + 1) * steps // (count + 1) for i in range(count)]
     faults = []
     for i, kind in enumerate(chosen):
-        if kind.startswith("trainer"):
-            target = "trainer"
+        if kind.startswith(("trainer", "router")):
+            target = kind.split("_")[0]
         elif kind.startswith("link") and rng.random() < 0.25:
             target = "coord"
         else:
@@ -125,6 +144,38 @@ class Testbed:
                  f"( sport = :{EXPERT_PORT} )")
 
 
+def start_service(bed, ns, name, argv, timeout=60):
+    """Starts a himoe service (argv, without --port_file) in namespace `ns`,
+    its output in <work>/<name>.log; returns it once it serves."""
+    pf = os.path.join(bed.work, f"{name}.port")
+    if os.path.exists(pf):
+        os.remove(pf)
+    log = open(os.path.join(bed.work, f"{name}.log"), "a")
+    p = subprocess.Popen(["ip", "netns", "exec", ns] + argv + [f"--port_file={pf}"],
+                         stdout=log, stderr=log)
+    deadline = time.time() + timeout
+    while not (os.path.exists(pf) and os.path.getsize(pf) > 0):
+        if p.poll() is not None or time.time() > deadline:
+            sys.exit(f"chaos: {name} did not serve (exit {p.poll()}); see {bed.work}/{name}.log")
+        time.sleep(0.02)
+    return p
+
+
+def stop_processes(procs):
+    """SIGTERM (after SIGCONT) to each running process; SIGKILL after 15 s."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 class Experts:
     """One himoe-expert a host, started again on its address after a fault."""
 
@@ -136,33 +187,12 @@ class Experts:
     def address(self, g):
         return f"{self.bed.host_ips[g]}:{EXPERT_PORT}"
 
-    def start(self, g, timeout=60):
-        pf = os.path.join(self.bed.work, f"expert{g}.port")
-        if os.path.exists(pf):
-            os.remove(pf)
-        log = open(os.path.join(self.bed.work, f"expert{g}.log"), "a")
-        p = subprocess.Popen(["ip", "netns", "exec", self.bed.hosts[g], self.bin,
-                              f"--address={self.address(g)}", f"--group_id={g}",
-                              f"--port_file={pf}"] + self.flags, stdout=log, stderr=log)
-        self.procs[g] = p
-        deadline = time.time() + timeout
-        while not (os.path.exists(pf) and os.path.getsize(pf) > 0):
-            if p.poll() is not None or time.time() > deadline:
-                sys.exit(f"chaos: expert {g} did not serve (exit {p.poll()}); "
-                         f"see {self.bed.work}/expert{g}.log")
-            time.sleep(0.02)
+    def start(self, g):
+        self.procs[g] = start_service(self.bed, self.bed.hosts[g], f"expert{g}", [
+            self.bin, f"--address={self.address(g)}", f"--group_id={g}"] + self.flags)
 
     def stop_all(self):
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs.values())
 
 
 class Trainer:
@@ -221,6 +251,76 @@ class Trainer:
             return next((ts for ts, line in self.lines if ts >= t and needle in line), None)
 
 
+class Injector:
+    """Fires the faults on experts, links and connections, and the SIGSTOP of
+    the process under test (`main`); puts each target back after its
+    duration (tick() runs what is due)."""
+
+    def __init__(self, bed, experts, t0):
+        self.bed, self.experts, self.t0 = bed, experts, t0
+        self.timers = []  # (time, action)
+        self.busy = set()  # targets under a fault
+
+    def later(self, delay, action):
+        self.timers.append((time.time() + delay, action))
+
+    def tick(self):
+        now = time.time()
+        for when, action in [t for t in self.timers if t[0] <= now]:
+            self.timers.remove((when, action))
+            action()
+
+    def when_exited(self, p, action, give_up=None):
+        """Runs `action` once `p` has exited (SIGKILL after 30 s), polling, so
+        that the other faults' timers keep their times meanwhile."""
+        give_up = give_up or time.time() + 30
+        if p.poll() is None and time.time() < give_up:
+            self.later(0.02, lambda: self.when_exited(p, action, give_up))
+            return
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        action()
+
+    def restored(self, f):
+        f.restored = time.time()
+        self.busy.discard(f.target)
+
+    def log(self, f):
+        print(f"chaos: {time.time() - self.t0:7.2f} s  fired {f.describe()}")
+        sys.stdout.flush()
+
+    def fire(self, f, main=None):
+        f.fired = time.time()
+        self.busy.add(f.target)
+        kind, bed = f.kind, self.bed
+        if kind in ("expert_kill", "expert_term", "expert_stop"):
+            g = int(f.target[len("group"):])
+            p = self.experts.procs[g]
+            if kind == "expert_stop":
+                p.send_signal(signal.SIGSTOP)
+                self.later(f.duration, lambda: (p.send_signal(signal.SIGCONT), self.restored(f)))
+            else:
+                p.send_signal(signal.SIGKILL if kind == "expert_kill" else signal.SIGTERM)
+                self.later(f.duration, lambda: self.when_exited(
+                    p, lambda: (self.experts.start(g), self.restored(f))))
+        elif kind.endswith("_stop"):
+            main.send_signal(signal.SIGSTOP)
+            self.later(f.duration, lambda: (main.send_signal(signal.SIGCONT), self.restored(f)))
+        elif kind == "link_down":
+            bed.link(f.target, up=False)
+            self.later(f.duration, lambda: (bed.link(f.target, up=True), self.restored(f)))
+        elif kind == "link_trickle":
+            bed.trickle(f.target, on=True)
+            self.later(f.duration, lambda: (bed.trickle(f.target, on=False), self.restored(f)))
+        elif kind == "conn_kill":
+            bed.kill_connections(f.target)
+            self.restored(f)
+        else:
+            raise ValueError(kind)
+        self.log(f)
+
+
 def train_records(path):
     recs = []
     try:
@@ -246,21 +346,34 @@ def checkpoint_sums(out_dir, step):
     return sums
 
 
-def train(a, bed):
-    groups = len(bed.hosts)
-    model = dict(layers=2, d=32, d_ff=64, experts=2 * groups)
-    expert_flags = [f"--num_groups={groups}", f"--num_experts={model['experts']}",
-                    f"--num_layers={model['layers']}", f"--d_model={model['d']}",
-                    f"--d_ff={model['d_ff']}", "--seed=1", "--threads=1", "--metrics_port=-1",
-                    "--insecure_training"]
-    experts = Experts(bed, a.build, expert_flags)
-    cluster = os.path.join(bed.work, "cluster.textproto")
+def chaos_model(bed):
+    """The model of both chaos runs: 2 MoE layers, d_model 32, 2 experts a host."""
+    return dict(layers=2, d=32, d_ff=64, experts=2 * len(bed.hosts))
+
+
+def experts_and_cluster(bed, build, name, router=""):
+    """One himoe-expert a host for chaos_model (not started yet), and a
+    cluster file <work>/<name> naming them (with `router`, a router section)."""
+    groups, model = len(bed.hosts), chaos_model(bed)
+    experts = Experts(bed, build, [
+        f"--num_groups={groups}", f"--num_experts={model['experts']}",
+        f"--num_layers={model['layers']}", f"--d_model={model['d']}", f"--d_ff={model['d_ff']}",
+        "--seed=1", "--threads=1", "--metrics_port=-1", "--insecure_training"])
+    cluster = os.path.join(bed.work, name)
     with open(cluster, "w") as f:
         f.write(f"model {{ num_layers: {model['layers']} d_model: {model['d']} "
                 f"d_ff: {model['d_ff']} num_experts: {model['experts']} top_k: 1 "
                 f"num_groups: {groups} seed: 1 }}\nrouting {{ method: \"himoe\" }}\n")
         for g in range(groups):
             f.write(f"groups {{ address: \"{experts.address(g)}\" }}\n")
+        f.write(router)
+    return experts, cluster
+
+
+def train(a, bed):
+    groups = len(bed.hosts)
+    model = chaos_model(bed)
+    experts, cluster = experts_and_cluster(bed, a.build, "cluster.textproto")
     flags = ["--experts=cluster", f"--cluster={cluster}", "--n_layer", str(model["layers"]),
              "--d_model", str(model["d"]), "--d_ff", str(model["d_ff"]), "--dense_ff", "64",
              "--n_head", "2", "--block_size", "32", "--batch_size", "4", "--grad_accum", "2",
@@ -269,7 +382,8 @@ def train(a, bed):
              "--keep_checkpoints", "3", "--log_every", "1", "--threads", "1",
              "--blas_probe=false", "--gemm_gflops=-1", "--metrics_port=-1",
              "--on_group_failure=wait_and_resume", f"--group_wait_s={a.group_wait_s}",
-             "--max_group_restarts=100000", f"--group_keepalive_ms={a.keepalive_ms}"]
+             "--max_group_restarts=100000", f"--group_keepalive_ms={a.keepalive_ms}",
+             f"--retry_failed_step={'true' if a.retry_failed_step else 'false'}"]
     faults = make_schedule(a.seed, a.faults, a.steps, groups, TRAIN_KINDS)
     print(f"chaos train: seed {a.seed}, {len(faults)} faults over {a.steps} steps, "
           f"{groups} expert hosts; schedule (trigger step, fault, target, duration):")
@@ -303,8 +417,6 @@ def train(a, bed):
 def chaos_train(a, bed, experts, flags, faults):
     out = os.path.join(bed.work, "chaos")
     trainer = Trainer(bed, a.build, flags, out)
-    timers = []        # (time, action)
-    busy = set()       # targets under a fault
     exits = []         # (time, exit code, expected)
     expected_exit = [False]
     pending = list(faults)
@@ -316,66 +428,27 @@ def chaos_train(a, bed, experts, flags, faults):
         unhealable["step"] = max([f.step for f in faults] + [0]) + 3
     t0 = time.time()
     proc = trainer.start()
-
-    def later(delay, action):
-        timers.append((time.time() + delay, action))
+    injector = Injector(bed, experts, t0)
 
     def fire(f):
-        f.fired = time.time()
-        busy.add(f.target)
-        kind = f.kind
-
-        def restored():
-            f.restored = time.time()
-            busy.discard(f.target)
-
-        if kind in ("expert_kill", "expert_term", "expert_stop"):
-            g = int(f.target[len("group"):])
-            p = experts.procs[g]
-            if kind == "expert_stop":
-                p.send_signal(signal.SIGSTOP)
-                later(f.duration, lambda: (p.send_signal(signal.SIGCONT), restored()))
-            else:
-                p.send_signal(signal.SIGKILL if kind == "expert_kill" else signal.SIGTERM)
-
-                def back():
-                    try:
-                        p.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-                        p.wait()
-                    experts.start(g)
-                    restored()
-                later(f.duration, back)
-        elif kind in ("trainer_kill", "trainer_term"):
+        if f.kind in ("trainer_kill", "trainer_term"):
+            f.fired = time.time()
+            injector.busy.add(f.target)
             expected_exit[0] = True
-            proc.send_signal(signal.SIGKILL if kind == "trainer_kill" else signal.SIGTERM)
+            proc.send_signal(signal.SIGKILL if f.kind == "trainer_kill" else signal.SIGTERM)
             f.pending_restart = True  # restored when the supervisor starts it again
-        elif kind == "trainer_stop":
-            proc.send_signal(signal.SIGSTOP)
-            later(f.duration, lambda: (proc.send_signal(signal.SIGCONT), restored()))
-        elif kind == "link_down":
-            bed.link(f.target, up=False)
-            later(f.duration, lambda: (bed.link(f.target, up=True), restored()))
-        elif kind == "link_trickle":
-            bed.trickle(f.target, on=True)
-            later(f.duration, lambda: (bed.trickle(f.target, on=False), restored()))
-        elif kind == "conn_kill":
-            bed.kill_connections(f.target)
-            restored()
-        print(f"chaos: {time.time() - t0:7.2f} s  fired {f.describe()}")
-        sys.stdout.flush()
+            injector.log(f)
+        else:
+            injector.fire(f, proc)
 
     while True:
-        now = time.time()
-        for when, action in [t for t in timers if t[0] <= now]:
-            timers.remove((when, action))
-            action()
-        while pending and trainer.max_step >= pending[0].step and pending[0].target not in busy \
+        injector.tick()
+        while pending and trainer.max_step >= pending[0].step \
+                and pending[0].target not in injector.busy \
                 and proc.poll() is None:
             fire(pending.pop(0))
         if unhealable["step"] is not None and unhealable["fired"] is None and not pending \
-                and not busy and trainer.max_step >= unhealable["step"] and proc.poll() is None:
+                and not injector.busy and trainer.max_step >= unhealable["step"] and proc.poll() is None:
             unhealable["fired"] = time.time()
             experts.procs[0].send_signal(signal.SIGKILL)
             print(f"chaos: {time.time() - t0:7.2f} s  fired unhealable expert_kill group0 "
@@ -394,7 +467,7 @@ def chaos_train(a, bed, experts, flags, faults):
             experts.start(0)
             proc = trainer.start()
             continue
-        if rc is not None and not any(t for t in timers):
+        if rc is not None and not injector.timers:
             trainer.reader.join()
             exits.append((time.time(), rc, expected_exit[0]))
             if rc == 0:
@@ -409,7 +482,7 @@ def chaos_train(a, bed, experts, flags, faults):
                 if getattr(f, "pending_restart", False):
                     f.pending_restart = False
                     f.restored = time.time()
-                    busy.discard(f.target)
+                    injector.busy.discard(f.target)
         time.sleep(0.01)
     wall = time.time() - t0
     for f in faults:
@@ -435,6 +508,29 @@ def u_text(u):
         return "did not happen"
     return (f"exit {u.get('rc')} after {u['checked'] - u['fired']:.1f} s: "
             f"\"{u['message'].strip()}\"; resumed after the group came back")
+
+
+def stat(v):
+    """ "median / max" of seconds, or "-"."""
+    if not v:
+        return "-"
+    v = sorted(v)
+    return f"{v[len(v) // 2]:.2f} / {v[-1]:.2f}"
+
+
+def finish(mode, a, md, problems):
+    """Prints and writes (--out) the Markdown, then the problems; the exit code."""
+    text = "\n".join(md) + "\n"
+    print(text)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            f.write(text)
+    for p in problems:
+        print(f"chaos {mode}: FAILED: " + p)
+    if problems:
+        print(f"chaos {mode}: replay with --seed {a.seed}")
+    return 1 if problems else 0
 
 
 def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
@@ -499,6 +595,9 @@ def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
         elif line.startswith("step 0: val loss") and last_step > 0:
             redone += last_step  # recovered without a checkpoint: from step 0
             last_step = 0
+    in_place = sum(1 for _, line in lines if line.startswith("every expert group kept its state"))
+    reloaded = sum(1 for _, line in lines if line.startswith("resumed from") or
+                   line.startswith("step 0: val loss")) - 1  # less the first start
     down_s = sum((f.restored - f.fired) for f in faults if f.fired and f.restored)
     if u["fired"] is not None and u["checked"] is not None:
         down_s += u["checked"] - u["fired"]
@@ -510,22 +609,12 @@ def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
     recover = [f.recovered - f.restored for f in fired
                if f.recovered is not None and f.restored is not None]
 
-    def stat(v):
-        if not v:
-            return "-"
-        v = sorted(v)
-        return f"{v[len(v) // 2]:.2f} / {v[-1]:.2f}"
-
-    cpu = "unknown"
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
-                   if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     md = [f"Training chaos, seed {a.seed}, measured {datetime.date.today()} on {cpu}, "
           f"{os.cpu_count()} cores, {platform.system()}: {len(bed.hosts)} expert hosts in network "
           f"namespaces, {a.steps} steps (2 MoE layers, d_model 32, {2 * len(bed.hosts)} experts), "
-          f"checkpoint every {a.checkpoint_every} steps, keepalive {a.keepalive_ms} ms.", "",
+          f"checkpoint every {a.checkpoint_every} steps, keepalive {a.keepalive_ms} ms, "
+          f"--retry_failed_step={'true' if a.retry_failed_step else 'false'}.", "",
           "| fault | step | target | s | detected after s | first step after restore s |",
           "|---|---|---|---|---|---|"]
     for f in faults:
@@ -535,6 +624,8 @@ def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
     md += ["", "| figure | value |", "|---|---|",
            f"| faults fired | {len(fired)} of {len(faults)} |",
            f"| trainer restarts (its own faults) | {trainer_restarts} |",
+           f"| failed steps run again in place / checkpoint reloads (group recoveries and "
+           f"trainer restarts) | {in_place} / {reloaded} |",
            f"| exits not caused by a fault | {len(unexpected)} |",
            f"| group 0 down past --group_wait_s {a.group_wait_s} s | "
            f"{u_text(result['unhealable'])} |",
@@ -550,22 +641,294 @@ def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
            f"{'yes' if sums_ok else 'NO'} |",
            f"| run log: steps 1..{a.steps} once, losses equal | "
            f"{'yes' if not differ and steps == list(range(1, a.steps + 1)) else 'NO'} |"]
-    text = "\n".join(md) + "\n"
-    print(text)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            f.write(text)
-    for p in problems:
-        print("chaos train: FAILED: " + p)
-    if problems:
-        print(f"chaos train: logs in {bed.work} (replay with --seed {a.seed})")
-    return 1 if problems else 0
+    return finish("train", a, md, problems)
+
+
+SERVE_KINDS = ("expert_kill", "expert_term", "expert_stop", "router_kill", "router_term",
+               "router_stop", "link_down", "link_trickle", "conn_kill")
+ROUTER_PORT = 50051
+# The statuses a router answers with when a group fails: each names the group.
+SERVE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
+PROMPTS = ("The expert ", "Fortune says")
+
+
+class Router:
+    """himoe-router in the coordinator host, on a fixed address, so that its
+    clients find it again after a restart."""
+
+    def __init__(self, bed, build, flags):
+        self.bed, self.flags = bed, flags
+        self.bin = os.path.join(build, "router_service", "himoe-router")
+        self.address = f"{bed.coord_ip}:{ROUTER_PORT}"
+        self.proc = None
+        self.started = []  # (time serving, process)
+
+    def start(self):
+        self.proc = start_service(self.bed, self.bed.coord, "router",
+                                  [self.bin] + self.flags + [f"--address={self.address}"])
+        self.started.append((time.time(), self.proc))
+
+    def stop(self):
+        if self.proc is not None:
+            stop_processes([self.proc])
+
+
+def serve(a, bed):
+    groups = len(bed.hosts)
+    build = a.build
+    model = chaos_model(bed)
+    work = bed.work
+    # The model served: a short in-process training run's checkpoint, and its
+    # in-process answers (the load client's reference).
+    run = os.path.join(work, "serve_model")
+    subprocess.run([os.path.join(build, "trainer", "himoe-trainer"), "--experts=inprocess",
+                    "--n_layer", str(model["layers"]), "--d_model", str(model["d"]),
+                    "--d_ff", str(model["d_ff"]), "--dense_ff", "64", "--n_head", "2",
+                    "--num_experts", str(model["experts"]), "--num_groups", str(groups),
+                    "--block_size", "32", "--batch_size", "4", "--steps", "30",
+                    "--eval_every", "30", "--eval_windows", "4", "--checkpoint_every", "30",
+                    "--threads", "1", "--blas_probe=false", "--gemm_gflops=-1",
+                    "--metrics_port=-1", "--out_dir", run],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = os.path.join(run, "checkpoints")
+    refs = os.path.join(work, "reference")
+    os.makedirs(refs, exist_ok=True)
+    reference = os.path.join(build, "tests", "trainer", "himoe_serve_reference")
+    if not os.path.exists(reference):
+        sys.exit(f"chaos: {reference} is missing: build the tests (HIMOE_BUILD_TESTS=ON)")
+    subprocess.run([reference,
+                    f"--checkpoint={checkpoint}", f"--out_dir={refs}", "--forward_requests=8",
+                    "--tokens=16", f"--prompts={','.join(PROMPTS)}",
+                    f"--new_tokens={a.new_tokens}"], check=True)
+    experts, cluster = experts_and_cluster(
+        bed, build, "serve_cluster.textproto",
+        f"router {{ deadline_ms: {a.deadline_ms} keepalive_ms: {a.keepalive_ms} }}\n")
+    router = Router(bed, build, [f"--cluster={cluster}", f"--checkpoint={checkpoint}",
+                                 "--reload_changed_experts", "--threads=1", "--metrics_port=-1",
+                                 f"--max_new_tokens={a.new_tokens}"])
+    count = a.faults if a.faults > 0 else max(1, int(a.seconds / a.interval) - 1)
+    faults = make_schedule(a.seed, count, int(a.seconds), groups, SERVE_KINDS, spaced=True)
+    for f in faults:
+        f.unit = "s"
+    print(f"chaos serve: seed {a.seed}, {len(faults)} faults over {a.seconds:g} s of load, "
+          f"{groups} expert hosts, router deadline {a.deadline_ms} ms; schedule (second, fault, "
+          f"target, duration):")
+    for f in faults:
+        print("  " + f.describe())
+    sys.stdout.flush()
+    results = os.path.join(work, "calls.jsonl")
+    try:
+        for g in range(groups):
+            experts.start(g)
+        router.start()
+        result = chaos_serve(a, bed, experts, router, faults, refs, results)
+    finally:
+        router.stop()
+        experts.stop_all()
+    return report_serve(a, bed, faults, result, results)
+
+
+def chaos_serve(a, bed, experts, router, faults, refs, results):
+    start_file = os.path.join(bed.work, "load.started")
+    load = subprocess.Popen(
+        ["ip", "netns", "exec", bed.coord, "/usr/bin/python3",
+         os.path.join(ROOT, "scripts", "chaos_load.py"), f"--router={router.address}",
+         f"--refs={refs}", f"--gen={os.path.join(bed.work, 'gen')}", f"--out={results}",
+         f"--seconds={a.seconds}", f"--timeout={a.client_timeout_s}",
+         f"--start_file={start_file}"])
+    while not os.path.exists(start_file):
+        if load.poll() is not None:
+            sys.exit(f"chaos: the load client exited with {load.returncode} before starting")
+        time.sleep(0.02)
+    t0 = time.time()
+    injector = Injector(bed, experts, t0)
+    pending = list(faults)
+    expected_exit = [False]
+    exits = []  # (time, exit code, expected)
+    rss = []    # (time, name, pid, MiB)
+    next_sample = t0
+
+    def restart_router(f):
+        exits.append((time.time(), router.proc.returncode, True))
+        expected_exit[0] = False
+        router.start()
+        injector.restored(f)
+
+    def fire(f):
+        if f.kind in ("router_kill", "router_term"):
+            f.fired = time.time()
+            injector.busy.add(f.target)
+            expected_exit[0] = True
+            router.proc.send_signal(signal.SIGKILL if f.kind == "router_kill" else signal.SIGTERM)
+            p = router.proc
+            injector.later(f.duration, lambda: injector.when_exited(p, lambda: restart_router(f)))
+            injector.log(f)
+        else:
+            injector.fire(f, router.proc)
+
+    while load.poll() is None:
+        injector.tick()
+        now = time.time()
+        while pending and now - t0 >= pending[0].step and pending[0].target not in injector.busy:
+            fire(pending.pop(0))
+        if router.proc.poll() is not None and not expected_exit[0]:
+            exits.append((time.time(), router.proc.returncode, False))
+            print(f"chaos: the router exited {router.proc.returncode} by itself; started again")
+            router.start()
+        if now >= next_sample:
+            next_sample = now + 2
+            for name, p in [("router", router.proc)] + [
+                    (f"expert {g}", p) for g, p in sorted(experts.procs.items())]:
+                m = rss_mib(p.pid)
+                if m is not None and p.poll() is None:
+                    rss.append((now, name, p.pid, m))
+        time.sleep(0.01)
+    while injector.timers:  # put every target back
+        injector.tick()
+        time.sleep(0.01)
+    return dict(t0=t0, wall=time.time() - t0, exits=exits, rss=rss, load_rc=load.returncode,
+                router=router)
+
+
+def report_serve(a, bed, faults, result, results):
+    calls = []
+    with open(results) as f:
+        for line in f:
+            try:
+                calls.append(json.loads(line))
+            except ValueError:
+                pass
+    problems = []
+    if result["load_rc"] != 0:
+        problems.append(f"the load client exited with {result['load_rc']}")
+    unexpected = [rc for _, rc, e in result["exits"] if not e]
+    if unexpected:
+        problems.append(f"the router exited by itself with {unexpected}")
+    fired = [f for f in faults if f.fired]
+    if len(fired) < len(faults):
+        problems.append(f"{len(faults) - len(fired)} faults never fired")
+    # A call is judged against the faults active while it ran: on the router
+    # or its host, the client's own errors are expected too.
+    slack = 1.0
+
+    def router_fault_during(c):
+        return any(f.target in ("router", "coord") and f.fired <= c["t1"] and
+                   (f.restored or float("inf")) + slack >= c["t0"] for f in fired)
+
+    deadline_s = a.deadline_ms / 1000.0
+    wrong, unclear, hangs = [], [], []
+    for c in calls:
+        c["s"] = c["t1"] - c["t0"]
+        if c["verdict"] == "wrong":
+            wrong.append(c)
+            continue
+        by_router = router_fault_during(c)
+        if c["verdict"] == "error":
+            named = c["code"] in SERVE_CODES and "expert group" in c["detail"]
+            if not named and not (by_router and c["code"] in SERVE_CODES + ("CANCELLED",)):
+                unclear.append(c)
+        if by_router:
+            continue
+        if c["kind"] == "forward" and c["s"] > deadline_s + slack or \
+                c["code"] == "DEADLINE_EXCEEDED" and c["s"] >= a.client_timeout_s - 0.05:
+            hangs.append(c)
+    if wrong:
+        problems.append(f"{len(wrong)} wrong answers (first: {wrong[0]})")
+    if unclear:
+        problems.append(f"{len(unclear)} errors without a clear status naming the group "
+                        f"(first: {unclear[0]})")
+    if hangs:
+        problems.append(f"{len(hangs)} calls past the deadline (first: {hangs[0]})")
+    oks = sorted((c for c in calls if c["code"] == "OK"), key=lambda c: c["t0"])
+    errors = sorted((c for c in calls if c["code"] != "OK"), key=lambda c: c["t1"])
+    for i, f in enumerate(fired):
+        nxt = next((g.fired for g in fired[i + 1:] if g.fired > f.fired + 0.5), float("inf"))
+        f.detected = next((c["t1"] for c in errors if f.fired <= c["t1"] < nxt), None)
+        # Of faults whose times overlap, recovery counts from the last return.
+        end = f.restored or float("inf")
+        f.overlapped = any(g is not f and g.fired <= end and (g.restored or float("inf")) >= f.fired
+                           and (g.restored or float("inf"), g.index) > (end, f.index)
+                           for g in fired)
+        if f.restored is not None and not f.overlapped:
+            f.recovered = next((c["t1"] for c in oks if c["t0"] >= f.restored), None)
+    recover = [f.recovered - f.restored for f in fired if f.recovered is not None]
+    late = [f for f in fired if f.restored is not None and not f.overlapped and
+            (f.recovered is None or f.recovered - f.restored > a.resume_s)]
+    if late:
+        problems.append(f"{len(late)} faults after which serving did not resume within "
+                        f"{a.resume_s:g} s: " + ", ".join(f"#{f.index:02d} {f.kind}" for f in late))
+    # Memory: each process's RSS ~10 s after it started serving against its
+    # last, for the longest-lived router and expert process of each group.
+    pids = {}
+    for t, name, pid, m in result["rss"]:
+        pids.setdefault((name, pid), []).append((t, m))
+    longest = {}
+    for (name, pid), series in pids.items():
+        if name not in longest or series[-1][0] - series[0][0] > \
+                longest[name][-1][0] - longest[name][0][0]:
+            longest[name] = series
+    memory = []
+    for name, series in sorted(longest.items()):
+        if len(series) < 10:
+            continue  # under 20 s
+        start, end = series[5][1], series[-1][1]
+        memory.append((name, series[-1][0] - series[0][0], start, end,
+                       max(m for _, m in series)))
+        if end > start * 1.1 + 8:
+            problems.append(f"{name}'s memory grew from {start:.0f} to {end:.0f} MiB")
+
+    codes = {}
+    for c in calls:
+        codes.setdefault((c["kind"], c["code"]), 0)
+        codes[(c["kind"], c["code"])] += 1
+    lat = sorted(c["s"] for c in calls if c["code"] == "OK" and c["kind"] == "forward")
+    checked = {k: sum(1 for c in calls if c["kind"] == k and c["verdict"] == "ok")
+               for k in ("forward", "generate")}
+    if not checked["forward"] or not checked["generate"]:
+        problems.append(f"too few answers checked: {checked}")
+    cpu = cpu_model()
+    md = [f"Serving chaos, seed {a.seed}, measured {datetime.date.today()} on {cpu}, "
+          f"{os.cpu_count()} cores, {platform.system()}: {len(bed.hosts)} expert hosts in network "
+          f"namespaces, the router on the coordinator host (deadline {a.deadline_ms} ms, "
+          f"keepalive {a.keepalive_ms} ms, --reload_changed_experts) serving a checkpoint "
+          f"(2 MoE layers, d_model 32, {2 * len(bed.hosts)} experts); 2 RouteForward and 2 Generate clients "
+          f"({a.new_tokens} tokens a stream) for {a.seconds:g} s, a fault every "
+          f"{a.seconds / (len(faults) + 1):.0f} s; each answer checked against the in-process "
+          f"reference (RouteForward within 1e-5, Generate token for token).", "",
+          "| fault | s | target | lasts s | first error after s | first good answer after "
+          "the return s |", "|---|---|---|---|---|---|"]
+    for f in faults:
+        d = f"{f.detected - f.fired:.2f}" if f.fired and f.detected else "no error"
+        r = f"{f.recovered - f.restored:.2f}" if f.recovered and f.restored else \
+            "(overlapped: from the later return)" if getattr(f, "overlapped", False) else "-"
+        md.append(f"| {f.kind} | {f.step} | {f.target} | {f.duration:.1f} | {d} | {r} |")
+    md += ["", "| calls | " + " | ".join(f"{k} {c}" for k, c in sorted(codes)) + " |",
+           "|---|" + "---|" * len(codes),
+           f"| {len(calls)} | " + " | ".join(str(codes[k]) for k in sorted(codes)) + " |", "",
+           "| figure | value |", "|---|---|",
+           f"| faults fired | {len(fired)} of {len(faults)} |",
+           f"| answers equal to the reference: RouteForward / Generate | {checked['forward']} / "
+           f"{checked['generate']} |",
+           f"| wrong answers | {len(wrong)} |",
+           f"| errors without a clear status | {len(unclear)} |",
+           f"| calls past the deadline | {len(hangs)} |",
+           f"| router exits not caused by a fault | {len(unexpected)} |",
+           "| RouteForward OK latency p50 / p99 / max ms | "
+           + (f"{1000 * lat[len(lat) // 2]:.1f} / {1000 * lat[int(0.99 * (len(lat) - 1))]:.1f} / "
+              f"{1000 * lat[-1]:.1f} |" if lat else "- |"),
+           f"| first error after the fault, median / max s | "
+           f"{stat([f.detected - f.fired for f in fired if f.detected])} |",
+           f"| first good answer after the return, median / max s | {stat(recover)} |"]
+    for name, lived, start, end, peak in memory:
+        md.append(f"| RSS {name} (longest-lived process, {lived:.0f} s): after 10 s / end / "
+                  f"peak MiB | {start:.0f} / {end:.0f} / {peak:.0f} |")
+    return finish("serve", a, md, problems)
+
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["train"])
+    ap.add_argument("mode", choices=["train", "serve"])
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--work", required=True)
     ap.add_argument("--switch", required=True)
@@ -574,16 +937,32 @@ def main():
     ap.add_argument("--hosts", required=True)
     ap.add_argument("--host_ips", required=True)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--faults", type=int, default=32)
+    ap.add_argument("--faults", type=int, default=-1,
+                    help="train: default 32; serve: default one every --interval s")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seconds", type=float, default=600, help="serve: seconds of load")
+    ap.add_argument("--interval", type=float, default=20, help="serve: seconds between faults")
+    ap.add_argument("--deadline_ms", type=int, default=2000, help="serve: router.deadline_ms")
+    ap.add_argument("--client_timeout_s", type=float, default=10,
+                    help="serve: the load client's deadline of a call")
+    ap.add_argument("--resume_s", type=float, default=2,
+                    help="serve: serving must resume this soon after a target returns")
+    ap.add_argument("--new_tokens", type=int, default=16, help="serve: tokens a Generate stream")
     ap.add_argument("--checkpoint_every", type=int, default=10)
     ap.add_argument("--keepalive_ms", type=int, default=250)
     ap.add_argument("--group_wait_s", type=int, default=10)
+    ap.add_argument("--retry_failed_step", type=int, default=1,
+                    help="train: 1 runs a failed step again where every group kept its state; "
+                         "0 always reloads the last checkpoint")
     ap.add_argument("--unhealable", type=int, default=1,
                     help="1: end with a group down past --group_wait_s")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     bed = Testbed(a)
+    if a.mode == "serve":
+        return serve(a, bed)
+    if a.faults < 0:
+        a.faults = 32
     return train(a, bed)
 
 

@@ -24,6 +24,9 @@ import time
 import grpc
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hostinfo  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -50,14 +53,8 @@ def wait_port_file(path, proc, timeout=60):
 
 
 def rss_mib(pid):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return float("nan")
+    m = hostinfo.rss_mib(pid)
+    return float("nan") if m is None else m
 
 
 def main():
@@ -169,12 +166,7 @@ def main():
     first_ok = min((s + l for s, l, c in results if c == "OK" and s >= restart_t), default=None)
     last_fail = max((s + l for s, l, c in results if c != "OK"), default=None)
     pct = lambda v, q: 1000 * v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
-    cpu = "unknown"
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
-                   if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = hostinfo.cpu_model()
     md = [f"Soak measured {datetime.date.today()} on {cpu}, {os.cpu_count()} cores, "
           f"{platform.system()}: {a.clients} clients offering {a.rate:g} RouteForward/s of "
           f"{a.tokens} tokens (d_model {d}, 4 groups, 1 thread each, router deadline 2 s) for "

@@ -25,7 +25,7 @@ help "${expert}" address group_id num_groups num_experts d_model seed dtype devi
   trainer_identity router_identity authz_policy insecure_training
 help "${router}" cluster address metrics_port checkpoint max_new_tokens reload_changed_experts
 help "${trainer}" experts cluster method preset steps checkpoint_every resume wire_dtype \
-  take_over_served_experts
+  take_over_served_experts retry_failed_step
 help "${cluster}" cluster bin_dir log_dir ready_timeout_s
 
 # refused BINARY ARGS...: exits non-zero naming --address and host:port.

@@ -394,6 +394,9 @@ absl::StatusOr<StepResult> Trainer::Step() {
   r.step = step_ + 1;
   r.lr = CosineLearningRate(options_, step_);
   const double accum = options_.grad_accum * world_size();
+  retry_.reset();
+  Retry retry{step, sampler_->SerializeState()};
+  bool updated = false;  // whether the dense or expert weights changed
   const std::vector<RowTraffic> traffic_before = experts_->Traffic();
   const ForwardWaits waits_before = experts_->Waits();
   // Route() moves the routers' state in training (the EMA, the controller,
@@ -452,6 +455,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
     for (auto& group : optimizer_->param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(r.lr);
     }
+    updated = true;
     optimizer_->step();
     AdamWHyper hyper;
     hyper.lr = r.lr;
@@ -470,6 +474,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
       for (auto& [live, saved] : router_state) live.copy_(saved);
       return absl::OkStatus();
     }).IgnoreError();
+    if (!updated) retry_ = std::move(retry);
     return status;
   }
   ++step_;
@@ -486,6 +491,22 @@ absl::StatusOr<StepResult> Trainer::Step() {
   r.waits.slowest_seconds -= waits_before.slowest_seconds;
   r.waits.straggler_seconds -= waits_before.straggler_seconds;
   return r;
+}
+
+absl::Status Trainer::RetryFailedStep() {
+  if (!retry_.has_value()) {
+    return absl::FailedPreconditionError("no failed step to run again");
+  }
+  // Abort is refused by a group that serves another run or none: one
+  // restarted since, its weights lost.
+  const absl::Status aborted = experts_->Abort(retry_->step);
+  if (!aborted.ok()) {
+    if (!absl::IsUnavailable(aborted) && !absl::IsDeadlineExceeded(aborted)) retry_.reset();
+    return aborted;
+  }
+  const std::string sampler_state = std::move(retry_->sampler_state);
+  retry_.reset();
+  return sampler_->RestoreState(sampler_state);
 }
 
 absl::StatusOr<EvalResult> Trainer::Evaluate() {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -145,6 +146,17 @@ class Trainer {
   ~Trainer();
 
   absl::StatusOr<StepResult> Step();
+  // After a Step that failed before it updated anything (a group failed in a
+  // forward or backward pass, or in the gradient norm): whether
+  // RetryFailedStep may run it again.
+  bool failed_step_retryable() const { return retry_.has_value(); }
+  // Readies the failed step to run again as if it had not run: every group
+  // drops what it kept of it (Abort), the batches it drew are drawn again.
+  // FAILED_PRECONDITION when a group no longer serves this run (restarted:
+  // its weights are lost; the step is then not retryable: recover from a
+  // checkpoint); UNAVAILABLE or DEADLINE_EXCEEDED when one cannot be reached
+  // yet (it stays retryable).
+  absl::Status RetryFailedStep();
   // Mean cross entropy and routing statistics over the fixed validation
   // windows.
   absl::StatusOr<EvalResult> Evaluate();
@@ -195,6 +207,13 @@ class Trainer {
   std::shared_ptr<model::TransformerLM> model_;  // over moe_
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   int64_t step_ = 0;
+  // The step that failed before updating anything, and the sampler's state
+  // before it drew its batches.
+  struct Retry {
+    uint64_t step = 0;
+    std::string sampler_state;
+  };
+  std::optional<Retry> retry_;
   double flops_per_token_ = 0;
   // With micro-batches at once: their turns, and the threads of every lane
   // but the caller's.

@@ -95,6 +95,9 @@ struct TrainerFlags {
   bool resume = false;
   std::string on_group_failure;  // empty = by --experts
   int max_group_restarts = 3;
+  // wait_and_resume: when every group kept its state, run the failed step
+  // again instead of reloading the last checkpoint.
+  bool retry_failed_step = true;
   TlsFiles tls;
   int group_wait_s = 300;
   int group_keepalive_ms = 2000;

@@ -136,9 +136,14 @@ ABSL_FLAG(bool, resume, false, "resume from the newest checkpoint in <out_dir>/c
 ABSL_FLAG(std::string, on_group_failure, "",
           "when an expert group fails (UNAVAILABLE or DEADLINE_EXCEEDED): fail, or "
           "wait_and_resume (abort the step, wait for the group to serve again, restarting it "
-          "with --experts=local, reload the last checkpoint, or step 0 without one, and go on); "
+          "with --experts=local, then run the step again if every group kept its state, else "
+          "reload the last checkpoint, or step 0 without one, and go on); "
           "empty = wait_and_resume with --experts=local, fail otherwise");
 ABSL_FLAG(int, max_group_restarts, 3, "group failures wait_and_resume recovers from, then fails");
+ABSL_FLAG(bool, retry_failed_step, true,
+          "wait_and_resume: when every group kept its state (a stalled process, a cut link, "
+          "reset connections; not a restart), run the failed step again instead of reloading "
+          "the last checkpoint and redoing the steps since");
 ABSL_FLAG(int, group_wait_s, 300,
           "wait_and_resume: seconds to wait for the groups to serve again");
 ABSL_FLAG(int, group_keepalive_ms, 2000,
@@ -263,6 +268,7 @@ void ReadRunFlags(TrainerFlags& f) {
   f.resume = absl::GetFlag(FLAGS_resume);
   f.on_group_failure = absl::GetFlag(FLAGS_on_group_failure);
   f.max_group_restarts = absl::GetFlag(FLAGS_max_group_restarts);
+  f.retry_failed_step = absl::GetFlag(FLAGS_retry_failed_step);
   f.group_wait_s = absl::GetFlag(FLAGS_group_wait_s);
   f.group_keepalive_ms = absl::GetFlag(FLAGS_group_keepalive_ms);
   f.log_every = absl::GetFlag(FLAGS_log_every);

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <iostream>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -231,6 +232,7 @@ absl::StatusOr<double> TrainingRun::Start(bool resume) {
     if (data_parallel_ != nullptr) HIMOE_RETURN_IF_ERROR(data_parallel_->Barrier());
     std::cerr << "resumed from " << dir << " at step " << trainer_->step() << "\n";
   }
+  checkpointed_step_ = trainer_->step();  // 0, or the checkpoint resumed from
   const std::optional<int64_t> resumed_at =
       resume ? std::optional<int64_t>(trainer_->step()) : std::nullopt;
   HIMOE_ASSIGN_OR_RETURN(log_, RunLog::Create(absl::StrCat(log_dir_, "/metrics.jsonl"),
@@ -262,6 +264,24 @@ absl::Status TrainingRun::Train() {
                                        " recovered group failures: ", trained.status().message()));
     }
     HIMOE_RETURN_IF_ERROR(WaitForGroups());
+    if (flags_.retry_failed_step && trainer_->failed_step_retryable()) {
+      // The trainer's own channels may still be reconnecting (backoff up to 1 s).
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      absl::Status kept = trainer_->RetryFailedStep();
+      while (IsGroupFailure(kept) && trainer_->failed_step_retryable() &&
+             std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        kept = trainer_->RetryFailedStep();
+      }
+      if (kept.ok()) {
+        std::cerr << "every expert group kept its state: step " << trainer_->step() + 1
+                  << " runs again (no checkpoint reloaded)\n";
+        trained = TrainLoop(val_);
+        continue;
+      }
+      std::cerr << "step " << trainer_->step() + 1 << " cannot run again in place (" << kept
+                << "); reloading the last checkpoint\n";
+    }
     const bool has_checkpoint = model::LatestCheckpoint(checkpoints_).ok();
     absl::StatusOr<double> resumed = Start(has_checkpoint);
     trained = resumed.ok() ? TrainLoop(*resumed) : resumed.status();
@@ -271,11 +291,11 @@ absl::Status TrainingRun::Train() {
 }
 
 absl::StatusOr<double> TrainingRun::TrainLoop(double val) {
+  val_ = val;
   const TrainerOptions& o = trainer_->options();
   const bool tty = isatty(STDERR_FILENO);
   std::unique_ptr<StepProfiler> profiler;
   int64_t profiled_steps = 0;
-  checkpointed_step_ = trainer_->step();  // 0, or the checkpoint resumed from
   std::vector<int> pids = {0};
   if (spawned_ != nullptr)
     pids.insert(pids.end(), spawned_->pids().begin(), spawned_->pids().end());
@@ -306,6 +326,7 @@ absl::StatusOr<double> TrainingRun::TrainLoop(double val) {
     const bool checkpoint = every > 0 && (r.step % every == 0 || r.step == o.steps);
     if (eval || checkpoint) cpu.Pause();
     HIMOE_ASSIGN_OR_RETURN(val, AfterStep(r, eval, checkpoint, val));
+    val_ = val;
   }
   if (const std::optional<std::string> line = cpu.Finish(*log_); line.has_value()) {
     std::cerr << "\n" << *line << "\n";

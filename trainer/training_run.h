@@ -98,6 +98,7 @@ class TrainingRun {
   std::unique_ptr<Trainer> trainer_;
   std::unique_ptr<RunLog> log_;
   int64_t checkpointed_step_ = 0;  // the newest checkpoint's, or where the run began
+  double val_ = 0;                 // the latest validation loss
   int stop_signal_ = 0;
   double first_val_ = 0;
   double last_val_ = 0;

@@ -43,6 +43,10 @@ TEST(ClusterConfigTest, FillsTheDocumentedDefaults) {
   EXPECT_EQ(c->router().max_batches_in_flight(), 2);
   EXPECT_EQ(c->router().max_tokens_per_request(), 65536);
   EXPECT_FALSE(c->router().shared_memory());
+  EXPECT_EQ(c->router().keepalive_ms(), 2000);
+  auto off = ParseClusterConfig(absl::StrCat(kTwoGroups, "router { keepalive_ms: 0 }"), "test");
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_EQ(off->router().keepalive_ms(), 0);  // 0 is off, not the default
   // Groups on this host may take the rows through shared memory.
   auto shared = ParseClusterConfig(
       absl::StrCat(kTwoGroups, "router { shared_memory: true }"), "test");
@@ -74,6 +78,9 @@ TEST(ClusterConfigTest, EachBadFieldIsNamedWithTheFile) {
       {"model { d_model: 8 d_ff: 16 num_experts: 2 } groups { address: \"h:1\" } "
        "router { max_batches_in_flight: -1 }",
        "max_batches_in_flight must be >= 1"},
+      {"model { d_model: 8 d_ff: 16 num_experts: 2 } groups { address: \"h:1\" } "
+       "router { keepalive_ms: -5 }",
+       "router.keepalive_ms must be >= 0 (0 = off), got -5"},
       {"model { d_model: 8 d_ff: 16 num_experts: 2 } groups { address: \"h:1\" } "
        "tls { ca: \"ca.pem\" }",
        "tls: ca, cert and key are all needed"},

@@ -378,7 +378,8 @@ struct WeightsObserver : ForwardObserver {
 // A model the router loaded (LoadExpertState) cannot change under it: an
 // outside BeginRun is refused by the group; one that takes it over fails the
 // router's next call with FAILED_PRECONDITION naming the group and both
-// fingerprints, and the router that reloads serves the loaded model again.
+// fingerprints, and the router that reloads serves the loaded model again
+// (its failed call is UNAVAILABLE: retry).
 TEST_F(RouterServiceTest, AServedModelCannotChangeSilently) {
   RouterServerOptions o = Options(RoutingMethod::kHiMoe);
   auto make = [&](bool reload, WeightsObserver* observer) {
@@ -426,10 +427,15 @@ TEST_F(RouterServiceTest, AServedModelCannotChangeSilently) {
   const std::string seed = (*intruder)->Info()->weights_fingerprint();
   for (RemoteMoE* moe : {plain.get(), reloading.get()}) {
     auto changed = moe->Forward(0, x);
-    EXPECT_EQ(changed.status().code(), absl::StatusCode::kFailedPrecondition) << changed.status();
+    // The reloading router has put the loaded model back: a retry succeeds.
+    EXPECT_EQ(changed.status().code(), moe == plain.get() ? absl::StatusCode::kFailedPrecondition
+                                                          : absl::StatusCode::kUnavailable)
+        << changed.status();
     const std::string message(changed.status().message());
     EXPECT_THAT(message, HasSubstr("expert group 1 at " + Loopback(experts_[1]->port())));
     EXPECT_THAT(message, HasSubstr("serves weights '" + seed + "', not the '" + loaded + "'"));
+    EXPECT_EQ(message.find("pushed to it again: retry") != std::string::npos,
+              moe == reloading.get());
   }
   EXPECT_EQ(plain_seen.changed[1], 1);
   EXPECT_EQ(reload_seen.changed[1], 1);
@@ -442,6 +448,68 @@ TEST_F(RouterServiceTest, AServedModelCannotChangeSilently) {
     auto again = moe->Forward(0, x);
     ASSERT_TRUE(again.ok()) << again.status();
     EXPECT_TRUE(at::equal(again->output, served->output));
+  }
+}
+
+// A group down when the model is loaded: without reloading that is the
+// load's error; with reload_changed_experts the load succeeds, the group's
+// first answer once it is back (its seed weights) fails UNAVAILABLE and
+// pushes the model, and the next call is served from it: the output of the
+// same model loaded with every group up.
+TEST_F(RouterServiceTest, AGroupDownAtLoadGetsTheModelWhenItReturns) {
+  RouterServerOptions o = Options(RoutingMethod::kHiMoe);
+  o.moe.pin_weights = true;
+  for (auto& group : o.moe.groups) group.deadline = std::chrono::milliseconds(2000);
+  const at::Tensor x = at::randn({32, kD});  // himoe: every group gets rows
+  at::NoGradGuard no_grad;
+  std::vector<std::vector<NamedTensor>> model(kM);
+  at::Tensor want;
+  {
+    auto all_up = RemoteMoE::Create(o.moe);
+    ASSERT_TRUE(all_up.ok()) << all_up.status();
+    for (int g = 0; g < kM; ++g) {
+      auto state = (*all_up)->group(g).GetState(/*include_optimizer=*/false);
+      ASSERT_TRUE(state.ok()) << state.status();
+      for (auto& [name, tensor] : *state) model[g].emplace_back(name, tensor * 1.5);
+      ASSERT_TRUE((*all_up)->LoadExpertState(g, model[g]).ok());
+    }
+    auto served = (*all_up)->Forward(0, x);
+    ASSERT_TRUE(served.ok()) << served.status();
+    want = served->output;
+    ASSERT_GT(MaxAbsDiff(want, Reference(o.moe.routing, 0, x).output), 1e-3);  // not the seed's
+  }
+  const std::string address = Loopback(experts_[2]->port());
+  experts_[2]->Shutdown();
+  experts_[2]->Wait();
+  for (const bool reload : {false, true}) {
+    RemoteMoEOptions mo = o.moe;
+    mo.reload_changed_experts = reload;
+    auto moe = RemoteMoE::Create(mo);
+    ASSERT_TRUE(moe.ok()) << moe.status();
+    absl::Status loaded;
+    for (int g = 0; g < kM && loaded.ok(); ++g) loaded = (*moe)->LoadExpertState(g, model[g]);
+    if (!reload) {
+      EXPECT_EQ(loaded.code(), absl::StatusCode::kUnavailable) << loaded;
+      EXPECT_THAT(std::string(loaded.message()), HasSubstr("expert group 2 at " + address));
+      continue;
+    }
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    experts_[2] = StartExpert(2, address);  // a new process: the seed's weights
+    ASSERT_NE(experts_[2], nullptr);
+    absl::StatusOr<MoEOutput> first = (*moe)->Forward(0, x);
+    for (int i = 0; i < 50 && !first.ok() &&
+                    first.status().message().find("weights_fingerprint") == std::string::npos;
+         ++i) {  // the channel reconnecting
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      first = (*moe)->Forward(0, x);
+    }
+    ASSERT_FALSE(first.ok());
+    EXPECT_EQ(first.status().code(), absl::StatusCode::kUnavailable) << first.status();
+    EXPECT_THAT(std::string(first.status().message()), HasSubstr("expert group 2 at " + address));
+    EXPECT_THAT(std::string(first.status().message()), HasSubstr("pushed to it again: retry"));
+    auto served = (*moe)->Forward(0, x);
+    ASSERT_TRUE(served.ok()) << served.status();
+    EXPECT_TRUE(at::equal(served->output, want));
   }
 }
 

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -613,6 +614,86 @@ TEST(RemoteTrainingTest, UnreachableGroupFailsTheStepAsUnavailable) {
       << r.status();
   EXPECT_THAT(r.status().message(), HasSubstr("expert group 2"));
   EXPECT_EQ((*t)->step(), 1);
+}
+
+// A step that fails before it updates anything (a group unreachable in its
+// forward pass) runs again in place once every group serves the run with
+// the state it had: the run then goes on exactly as the uninterrupted one
+// (the batches are drawn again, the routers' state and the groups' saved
+// Forwards put back). A group that lost its state (a new process on the
+// same address) refuses it, and the step is no longer retryable.
+TEST(RemoteTrainingTest, AFailedStepRunsAgainInPlaceWhenEveryGroupKeptItsState) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster reference_cluster(o);
+  auto reference = Trainer::Create(reference_cluster.Remote(o));
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  std::vector<double> losses;
+  for (int step = 0; step < 3; ++step) {
+    auto r = (*reference)->Step();
+    ASSERT_TRUE(r.ok()) << r.status();
+    losses.push_back(r->loss);
+  }
+
+  ExpertCluster cluster(o);
+  auto t = Trainer::Create(cluster.Remote(o));
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE((*t)->Step().ok());
+  EXPECT_FALSE((*t)->failed_step_retryable());
+  expert::ExpertGroupClientOptions go;
+  go.group_id = 2;
+  go.addresses = {cluster.addresses()[2]};
+  auto client = expert::ExpertGroupClient::Create(go);
+  ASSERT_TRUE(client.ok());
+  auto kept = (*client)->GetState(/*include_optimizer=*/true);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+
+  // Group 2 back with the run and the state it had (as after a stall, a cut
+  // link or reset connections): the failed step runs again in place.
+  cluster.Shutdown(2);
+  auto failed = (*t)->Step();
+  ASSERT_FALSE(failed.ok());
+  EXPECT_TRUE(absl::IsUnavailable(failed.status())) << failed.status();
+  EXPECT_EQ((*t)->step(), 1);
+  ASSERT_TRUE((*t)->failed_step_retryable());
+  cluster.Restart(2);
+  auto back = expert::ExpertGroupClient::Create(go);
+  ASSERT_TRUE(back.ok());
+  ASSERT_TRUE((*back)->BeginRun((*t)->run_id()).ok());
+  ASSERT_TRUE((*back)->SetState(*kept).ok());
+  absl::Status retried = (*t)->RetryFailedStep();
+  for (int i = 0; i < 50 && absl::IsUnavailable(retried); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    retried = (*t)->RetryFailedStep();
+  }
+  ASSERT_TRUE(retried.ok()) << retried;
+  EXPECT_FALSE((*t)->failed_step_retryable());
+  for (int step = 1; step < 3; ++step) {
+    auto r = (*t)->Step();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->loss, losses[step]) << "step " << step + 1;
+  }
+  const auto want = AllParameters(**reference);
+  const auto got = AllParameters(**t);
+  ASSERT_EQ(want.size(), got.size());
+  for (const auto& [name, tensor] : want) {
+    ASSERT_TRUE(got.count(name)) << name;
+    EXPECT_TRUE(at::equal(got.at(name), tensor)) << name;
+  }
+
+  // Group 2 lost for good: its new process serves the seed's weights.
+  cluster.Shutdown(2);
+  failed = (*t)->Step();
+  ASSERT_FALSE(failed.ok());
+  ASSERT_TRUE((*t)->failed_step_retryable());
+  cluster.Restart(2);
+  absl::Status refused = (*t)->RetryFailedStep();
+  for (int i = 0; i < 50 && absl::IsUnavailable(refused); ++i) {  // the channel reconnecting
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    refused = (*t)->RetryFailedStep();
+  }
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr((*t)->run_id()));
+  EXPECT_FALSE((*t)->failed_step_retryable());
 }
 
 // A group lost between Forward and Backward: the error thrown inside the

@@ -73,6 +73,7 @@ class ExpertCluster {
       EXPECT_TRUE(server.ok()) << server.status();
       if (!server.ok()) continue;
       addresses_.push_back("127.0.0.1:" + std::to_string((*server)->port()));
+      options_.push_back(s);
       servers_.push_back(std::move(server).value());
     }
   }
@@ -81,6 +82,15 @@ class ExpertCluster {
   void Shutdown(int g) {
     servers_[g]->Shutdown();
     servers_[g]->Wait();
+  }
+  // Starts group g again on its address, as a new process: the seed's
+  // weights, no run begun.
+  void Restart(int g) {
+    expert::ExpertServerOptions s = options_[g];
+    s.address = addresses_[g];
+    auto server = expert::ExpertServer::Start(s);
+    ASSERT_TRUE(server.ok()) << server.status();
+    servers_[g] = std::move(server).value();
   }
   // `o` training on these services.
   TrainerOptions Remote(TrainerOptions o) const {
@@ -91,6 +101,7 @@ class ExpertCluster {
 
  private:
   std::vector<std::unique_ptr<expert::ExpertServer>> servers_;
+  std::vector<expert::ExpertServerOptions> options_;
   std::vector<std::string> addresses_;
 };
 
