@@ -28,7 +28,6 @@ namespace himoe::expert {
 namespace {
 
 constexpr char kLastAppliedStep[] = "optimizer.last_applied_step";
-constexpr const char* kFields[] = {"exp_avg", "exp_avg_sq", "step"};
 
 std::string ShapeString(at::IntArrayRef shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
@@ -38,22 +37,6 @@ using StateKeyType = std::decay_t<decltype(std::declval<torch::optim::AdamW&>().
 
 StateKeyType StateKey(const at::Tensor& param) {
   return OptimizerStateKey<StateKeyType>(param.unsafeGetTensorImpl());
-}
-
-// Splits "layer0.w1.exp_avg" into ("layer0.w1", "exp_avg"); false if the
-// suffix is not a state field.
-bool SplitStateName(const std::string& name, std::string* param, std::string* field) {
-  const size_t dot = name.rfind('.');
-  if (dot == std::string::npos || dot == 0) return false;
-  const std::string suffix = name.substr(dot + 1);
-  for (const char* f : kFields) {
-    if (suffix == f) {
-      *param = name.substr(0, dot);
-      *field = suffix;
-      return true;
-    }
-  }
-  return false;
 }
 
 absl::Status ValidateOptions(const StepOptions& o) {
@@ -289,7 +272,7 @@ std::vector<NamedTensor> ExpertOptimizer::State() const {
 
 bool ExpertOptimizer::IsStateName(const std::string& name) {
   std::string param, field;
-  return absl::StartsWith(name, "optimizer.") || SplitStateName(name, &param, &field);
+  return absl::StartsWith(name, "optimizer.") || SplitAdamWStateName(name, &param, &field);
 }
 
 absl::Status ExpertOptimizer::ValidateStateTensor(const std::string& name,
@@ -298,7 +281,7 @@ absl::Status ExpertOptimizer::ValidateStateTensor(const std::string& name,
   std::string param_name, field;
   const Param* param = nullptr;
   const bool scalar = name == kLastAppliedStep ||
-                      (SplitStateName(name, &param_name, &field) && field == "step");
+                      (SplitAdamWStateName(name, &param_name, &field) && field == "step");
   if (name != kLastAppliedStep) {
     if (!field.empty()) param = FindParam(param_name);
     if (param == nullptr) {
@@ -346,7 +329,7 @@ absl::Status ExpertOptimizer::SetState(absl::Span<const NamedTensor> tensors) {
       continue;
     }
     std::string param, field;
-    SplitStateName(name, &param, &field);
+    SplitAdamWStateName(name, &param, &field);
     if (!per_param[param].emplace(field, tensor).second) {
       return absl::InvalidArgumentError(absl::StrCat("state '", name, "': given twice"));
     }
@@ -354,7 +337,7 @@ absl::Status ExpertOptimizer::SetState(absl::Span<const NamedTensor> tensors) {
   for (const auto& [param, fields] : per_param) {
     if (fields.size() != 3) {
       std::vector<std::string> missing;
-      for (const char* f : kFields) {
+      for (const char* f : kAdamWStateFields) {
         if (fields.count(f) == 0) missing.push_back(f);
       }
       return absl::InvalidArgumentError(absl::StrCat(

@@ -290,7 +290,9 @@ class Injector:
         print(f"chaos: {time.time() - self.t0:7.2f} s  fired {f.describe()}")
         sys.stdout.flush()
 
-    def fire(self, f, main=None):
+    def fire(self, f, main=None, restart=None):
+        """Injects f. `main` is the process under test (trainer or router);
+        after its SIGKILL or SIGTERM, restart(f) arranges its return."""
         f.fired = time.time()
         self.busy.add(f.target)
         kind, bed = f.kind, self.bed
@@ -304,7 +306,10 @@ class Injector:
                 p.send_signal(signal.SIGKILL if kind == "expert_kill" else signal.SIGTERM)
                 self.later(f.duration, lambda: self.when_exited(
                     p, lambda: (self.experts.start(g), self.restored(f))))
-        elif kind.endswith("_stop"):
+        elif kind in ("trainer_kill", "trainer_term", "router_kill", "router_term"):
+            main.send_signal(signal.SIGKILL if kind.endswith("_kill") else signal.SIGTERM)
+            restart(f)
+        elif kind in ("trainer_stop", "router_stop"):
             main.send_signal(signal.SIGSTOP)
             self.later(f.duration, lambda: (main.send_signal(signal.SIGCONT), self.restored(f)))
         elif kind == "link_down":
@@ -430,25 +435,19 @@ def chaos_train(a, bed, experts, flags, faults):
     proc = trainer.start()
     injector = Injector(bed, experts, t0)
 
-    def fire(f):
-        if f.kind in ("trainer_kill", "trainer_term"):
-            f.fired = time.time()
-            injector.busy.add(f.target)
-            expected_exit[0] = True
-            proc.send_signal(signal.SIGKILL if f.kind == "trainer_kill" else signal.SIGTERM)
-            f.pending_restart = True  # restored when the supervisor starts it again
-            injector.log(f)
-        else:
-            injector.fire(f, proc)
+    def rerun_later(f):
+        expected_exit[0] = True
+        f.pending_restart = True  # restored when the supervisor starts it again
 
     while True:
         injector.tick()
         while pending and trainer.max_step >= pending[0].step \
                 and pending[0].target not in injector.busy \
                 and proc.poll() is None:
-            fire(pending.pop(0))
+            injector.fire(pending.pop(0), proc, rerun_later)
         if unhealable["step"] is not None and unhealable["fired"] is None and not pending \
-                and not injector.busy and trainer.max_step >= unhealable["step"] and proc.poll() is None:
+                and not injector.busy and trainer.max_step >= unhealable["step"] \
+                and proc.poll() is None:
             unhealable["fired"] = time.time()
             experts.procs[0].send_signal(signal.SIGKILL)
             print(f"chaos: {time.time() - t0:7.2f} s  fired unhealable expert_kill group0 "
@@ -633,8 +632,8 @@ def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
            f"| restore to the first step, median / max s | {stat(recover)} |",
            f"| wall: fault-free / chaos s | {ref_wall:.1f} / {result['wall']:.1f} |",
            f"| time lost a fault s | {lost / max(1, len(fired)):.2f} |",
-           f"| theoretical a fault s (redo {redone} steps x {step_s * 1000:.0f} ms + {down_s:.1f} s "
-           f"down + {trainer_restarts} starts x {start_s:.1f} s) | "
+           f"| theoretical a fault s (redo {redone} steps x {step_s * 1000:.0f} ms + "
+           f"{down_s:.1f} s down + {trainer_restarts} starts x {start_s:.1f} s) | "
            f"{theory / max(1, len(fired)):.2f} |",
            f"| lost / theoretical | {lost / theory if theory > 0 else float('nan'):.2f} |",
            f"| final checkpoint sha256 equal to the fault-free run's | "
@@ -754,23 +753,16 @@ def chaos_serve(a, bed, experts, router, faults, refs, results):
         router.start()
         injector.restored(f)
 
-    def fire(f):
-        if f.kind in ("router_kill", "router_term"):
-            f.fired = time.time()
-            injector.busy.add(f.target)
-            expected_exit[0] = True
-            router.proc.send_signal(signal.SIGKILL if f.kind == "router_kill" else signal.SIGTERM)
-            p = router.proc
-            injector.later(f.duration, lambda: injector.when_exited(p, lambda: restart_router(f)))
-            injector.log(f)
-        else:
-            injector.fire(f, router.proc)
+    def restart_later(f):
+        expected_exit[0] = True
+        p = router.proc
+        injector.later(f.duration, lambda: injector.when_exited(p, lambda: restart_router(f)))
 
     while load.poll() is None:
         injector.tick()
         now = time.time()
         while pending and now - t0 >= pending[0].step and pending[0].target not in injector.busy:
-            fire(pending.pop(0))
+            injector.fire(pending.pop(0), router.proc, restart_later)
         if router.proc.poll() is not None and not expected_exit[0]:
             exits.append((time.time(), router.proc.returncode, False))
             print(f"chaos: the router exited {router.proc.returncode} by itself; started again")
@@ -891,7 +883,8 @@ def report_serve(a, bed, faults, result, results):
           f"{os.cpu_count()} cores, {platform.system()}: {len(bed.hosts)} expert hosts in network "
           f"namespaces, the router on the coordinator host (deadline {a.deadline_ms} ms, "
           f"keepalive {a.keepalive_ms} ms, --reload_changed_experts) serving a checkpoint "
-          f"(2 MoE layers, d_model 32, {2 * len(bed.hosts)} experts); 2 RouteForward and 2 Generate clients "
+          f"(2 MoE layers, d_model 32, {2 * len(bed.hosts)} experts); 2 RouteForward and 2 "
+          f"Generate clients "
           f"({a.new_tokens} tokens a stream) for {a.seconds:g} s, a fault every "
           f"{a.seconds / (len(faults) + 1):.0f} s; each answer checked against the in-process "
           f"reference (RouteForward within 1e-5, Generate token for token).", "",

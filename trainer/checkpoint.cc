@@ -37,7 +37,6 @@ using NamedTensors = std::vector<NamedTensor>;
 
 constexpr char kOptimizerFile[] = "optimizer.pt";
 constexpr char kDataFile[] = "data.txt";
-constexpr const char* kAdamWFields[] = {"exp_avg", "exp_avg_sq", "step"};
 
 using AdamWKey = std::decay_t<decltype(std::declval<torch::optim::AdamW&>().state())>::key_type;
 using AdamWEntries =
@@ -80,12 +79,8 @@ absl::StatusOr<AdamWEntries> MatchOptimizerState(Trainer& trainer, const NamedTe
   for (const auto& item : trainer.model().named_parameters()) params[item.key()] = item.value();
   std::map<std::string, std::map<std::string, at::Tensor>> fields;
   for (const auto& [name, t] : saved) {
-    const size_t dot = name.rfind('.');
-    const std::string param = dot == std::string::npos ? "" : name.substr(0, dot);
-    const std::string field = dot == std::string::npos ? "" : name.substr(dot + 1);
-    const bool known =
-        params.count(param) > 0 && (field == "exp_avg" || field == "exp_avg_sq" || field == "step");
-    if (!known) {
+    std::string param, field;
+    if (!SplitAdamWStateName(name, &param, &field) || params.count(param) == 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           where, ": optimizer.pt: '", name,
           "' is not <parameter>.<exp_avg|exp_avg_sq|step> of a parameter of this model"));
@@ -102,7 +97,7 @@ absl::StatusOr<AdamWEntries> MatchOptimizerState(Trainer& trainer, const NamedTe
   }
   AdamWEntries out;
   for (auto& [param, f] : fields) {
-    for (const char* name : kAdamWFields) {
+    for (const char* name : kAdamWStateFields) {
       if (f.count(name) == 0) {
         return absl::FailedPreconditionError(
             absl::StrCat(where, ": optimizer.pt: '", param, "' lacks ", name,
