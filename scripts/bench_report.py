@@ -18,7 +18,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 
 

@@ -362,8 +362,8 @@ def main(argv):
               f"one thread per run.")
     if a.config:
         md += ["", f"Fixed trainer flags: `{a.config}`"]
-    md += ["", f"Mean ± sample standard deviation (n − 1) over the seeds; `runs` is the number "
-               f"of finished runs. \"-\": not in these runs' metrics.", ""]
+    md += ["", "Mean ± sample standard deviation (n − 1) over the seeds; `runs` is the number "
+               "of finished runs. \"-\": not in these runs' metrics.", ""]
     head = ["row", "runs"] + [SPEC[k][0] for k in MAIN_COLUMNS]
     md.append("| " + " | ".join(head) + " |")
     md.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
@@ -432,7 +432,7 @@ def main(argv):
     md += ["", "## Definitions", ""]
     for k in MAIN_COLUMNS + DIAG_COLUMNS:
         md.append(f"- **{SPEC[k][0]}**: {SPEC[k][2]}.")
-    md.append(f"- **val CE − X**: the row's mean val CE minus row X's.")
+    md.append("- **val CE − X**: the row's mean val CE minus row X's.")
     if missing:
         md += ["", "## Missing runs", ""] + [f"- {m}" for m in missing]
     md += ["", "Per run: `runs.csv`; per row, mean and std: `results.csv`; each run's "

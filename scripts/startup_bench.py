@@ -23,12 +23,14 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loopback_ports import free_ports  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERT_FLAGS = ["--group_id=0", "--num_groups=4", "--num_experts=8", "--num_layers=2",
@@ -87,18 +89,6 @@ def time_expert(build, work, cache_dir, extra):
     stop(proc)
     text = open(log_path).read()
     return seconds, phases(text), kernels(text)
-
-
-def free_ports(n):
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def time_cluster(build, work, cache_dir):

@@ -40,6 +40,7 @@
 #include "proto/tls_credentials.h"
 #include "tests/deploy/child_checks.h"
 #include "tests/http_get.h"
+#include "tests/loopback_ports.h"
 #include "tests/temp_dir.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "himoe/v1/router.grpc.pb.h"
@@ -57,28 +58,6 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kReadyBound = std::chrono::seconds(180);
 constexpr auto kExitBound = std::chrono::seconds(60);
 constexpr int kReadyTimeoutFlagS = 120;
-
-// Free loopback ports: all bound at once (so they differ), then released.
-std::vector<int> FreeLoopbackPorts(int n) {
-  std::vector<int> fds, ports;
-  for (int i = 0; i < n; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) break;
-    fds.push_back(fd);
-    sockaddr_in addr = {};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = 0;
-    socklen_t len = sizeof(addr);
-    if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-        getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-      break;
-    }
-    ports.push_back(ntohs(addr.sin_port));
-  }
-  for (int fd : fds) close(fd);
-  return ports;
-}
 
 // Reads a pid file the launcher writes next to the logs; -1 if absent.
 pid_t ReadPid(const std::string& path) {
@@ -236,7 +215,7 @@ class LauncherTest : public ::testing::Test {
   void StartSmallCluster(LauncherProcess& launcher, const std::vector<std::string>& extra = {},
                          bool group_metrics = false, int threads = 1) {
     const size_t n = group_metrics ? 5 : 3;
-    const std::vector<int> ports = FreeLoopbackPorts(n);
+    const std::vector<int> ports = test_util::FreeLoopbackPorts(n);
     ASSERT_EQ(ports.size(), n);
     group_ports_ = {ports[0], ports[1]};
     router_port_ = ports[2];
@@ -556,7 +535,7 @@ TEST_F(LauncherTest, ServesEachGroupsMetricsWhenConfigured) {
 TEST_F(LauncherTest, ReportsAServiceThatExitsEarly) {
   // Group 0's port is taken (a listening socket without SO_REUSEPORT, so the
   // expert's gRPC server cannot bind it): that expert exits at once.
-  const std::vector<int> ports = FreeLoopbackPorts(3);
+  const std::vector<int> ports = test_util::FreeLoopbackPorts(3);
   ASSERT_EQ(ports.size(), 3u);
   const int blocker = socket(AF_INET, SOCK_STREAM, 0);
   ASSERT_GE(blocker, 0);
@@ -603,7 +582,7 @@ TEST_F(LauncherTest, ReportsAServiceThatNeverGetsReady) {
         path, absl::StrCat("#!/bin/sh\necho fake ", name, " starting\nexec sleep 600\n"));
     ASSERT_EQ(chmod(path.c_str(), 0755), 0);
   }
-  const std::vector<int> ports = FreeLoopbackPorts(3);
+  const std::vector<int> ports = test_util::FreeLoopbackPorts(3);
   ASSERT_EQ(ports.size(), 3u);
   const std::string cluster = dir_.path() + "/cluster.textproto";
   test_util::WriteTextFile(cluster, SmallCluster(ports[0], ports[1], ports[2]));

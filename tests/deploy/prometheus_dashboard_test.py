@@ -37,7 +37,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -118,19 +117,6 @@ class Processes:
                 tail = ["(%s)" % e]
             out.append("--- %s (%s):\n%s" % (name, path, "\n".join("    | " + l for l in tail)))
         return "\n".join(out)
-
-
-def free_ports(n):
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def wait_for(what, predicate, timeout, procs=(), poll=0.25):
@@ -360,6 +346,8 @@ def run(args, tmp, procs):
         dash = json.load(f)
     check_dashboard_shape(dash)
 
+    sys.path.insert(0, os.path.join(src, "scripts"))
+    from loopback_ports import free_ports  # noqa: E402 (needs the path above)
     p = free_ports(2 * NUM_GROUPS + 4)
     ports = {"router": p[0], "router_metrics": p[1], "trainer_metrics": p[2],
              "prometheus": p[3], "expert": p[4:4 + NUM_GROUPS],
