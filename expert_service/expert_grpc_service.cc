@@ -334,6 +334,24 @@ absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(
   if (!options.state_file.empty()) {
     HIMOE_RETURN_IF_ERROR(LoadStateFromFile(options.state_file, server->core_.get()));
   }
+  if (!options.run_state_file.empty()) {
+    const v1::ExpertShape& shape = options.core.shape;
+    HIMOE_ASSIGN_OR_RETURN(const std::optional<RunSnapshot> run,
+                           ReadRunStateFile(options.run_state_file, shape, options.core.group_id));
+    if (run.has_value()) {
+      const absl::Status restored = server->core_->RestoreRun(*run);
+      if (!restored.ok()) {
+        return absl::Status(
+            restored.code(),
+            absl::StrCat("run state file '", options.run_state_file, "': ", restored.message()));
+      }
+      server->restored_step_ = run->last_applied_step;
+    }
+    server->run_state_ =
+        std::make_unique<RunStateWriter>(options.run_state_file, shape, options.core.group_id);
+    server->core_->set_run_snapshot_sink(
+        [writer = server->run_state_.get()](RunSnapshot s) { writer->Submit(std::move(s)); });
+  }
   // Leaves room for the chunk's name, shape and framing.
   HIMOE_ASSIGN_OR_RETURN(server->pool_, ComputePool::Create(options.compute));
   server->service_ = std::make_unique<ExpertGrpcService>(
@@ -382,6 +400,10 @@ void ExpertServer::Shutdown(absl::Duration deadline) {
     server_->Shutdown(std::chrono::system_clock::now() +
                       absl::ToChronoMicroseconds(deadline));
   });
+}
+
+absl::Status ExpertServer::FlushRunState() {
+  return run_state_ == nullptr ? absl::OkStatus() : run_state_->Flush();
 }
 
 void ExpertServer::Wait() {

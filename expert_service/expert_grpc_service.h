@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include <grpcpp/grpcpp.h>
@@ -14,6 +15,7 @@
 #include "common/access_policy.h"
 #include "common/compute_pool.h"
 #include "expert_service/expert_service_core.h"
+#include "expert_service/run_state_file.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "proto/tls_credentials.h"
 
@@ -98,6 +100,9 @@ struct ExpertServerOptions {
   int max_message_bytes = 64 << 20;     // receive and send
   // Optional: a state file (SaveStateToFile) loaded before serving.
   std::string state_file;
+  // Optional: a run state file (run_state_file.h). Restored before serving
+  // when it exists (after state_file), rewritten after every applied Step.
+  std::string run_state_file;
   // Mutual TLS (empty = plaintext): clients need a certificate of the CA.
   TlsFiles tls;
   // Who may call what (ExpertAccessPolicy); null: every caller, every method.
@@ -120,6 +125,11 @@ class ExpertServer {
   // The bound address, "host:port" with the port actually chosen.
   const std::string& address() const { return address_; }
   ExpertServiceCore* core() { return core_.get(); }
+  // The step whose run state the file held at start; nullopt without one.
+  std::optional<uint64_t> restored_step() const { return restored_step_; }
+  // Waits until the run state of every applied Step is on disk (OK at once
+  // without a run state file).
+  absl::Status FlushRunState();
   ComputePool& compute_pool() { return *pool_; }
 
   // Reports NOT_SERVING, stops accepting calls, and cancels calls still
@@ -132,11 +142,14 @@ class ExpertServer {
   ExpertServer() = default;
 
   std::unique_ptr<ExpertServiceCore> core_;
+  // Null without a run state file; goes after pool_'s last Step.
+  std::unique_ptr<RunStateWriter> run_state_;
   std::unique_ptr<ComputePool> pool_;  // runs what is queued before core_ goes
   std::unique_ptr<ExpertGrpcService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   int port_ = 0;
+  std::optional<uint64_t> restored_step_;
   std::once_flag shutdown_once_;
 };
 

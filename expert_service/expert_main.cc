@@ -70,6 +70,11 @@ ABSL_FLAG(bool, insecure_training, false,
           "who reaches the port may then train or replace the weights)");
 ABSL_FLAG(std::string, state_file, "",
           "optional length-delimited StateChunk stream to load before serving");
+ABSL_FLAG(std::string, run_state_file, "",
+          "keep the training run here: rewritten (atomically, off the request path) after "
+          "every applied Step with the run id, step, weights and AdamW state; a group "
+          "restarted on it serves the run again from that step, and the trainer runs the "
+          "failed step again instead of reloading a checkpoint");
 
 namespace himoe::expert {
 namespace {
@@ -121,6 +126,7 @@ absl::StatusOr<ExpertServerOptions> OptionsFromFlags() {
   options.compute = ComputePoolOptions{absl::GetFlag(FLAGS_compute_workers),
                                        absl::GetFlag(FLAGS_max_queue), "--max_queue"};
   options.state_file = absl::GetFlag(FLAGS_state_file);
+  options.run_state_file = absl::GetFlag(FLAGS_run_state_file);
   options.tls = GetServiceFlags().tls;
   ExpertAccessOptions access;
   access.policy_file = absl::GetFlag(FLAGS_authz_policy);
@@ -158,6 +164,10 @@ void LogServing(ExpertServer& server, const ExpertServerOptions& options) {
             << "], " << ExpertShapeDebugString(info.shape) << " on " << info.device
             << (options.state_file.empty() ? "" : ", state from ") << options.state_file
             << "; serving on " << server.address();
+  if (const std::optional<uint64_t> step = server.restored_step(); step.has_value()) {
+    LOG(INFO) << "run '" << info.run_id << "' restored at step " << *step << " from "
+              << options.run_state_file;
+  }
 }
 
 absl::Status Run(StartupTimer& startup) {

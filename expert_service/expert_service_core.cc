@@ -9,6 +9,8 @@
 #include <openssl/evp.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <glog/logging.h>
+
 #include "absl/strings/str_cat.h"
 #include "common/all_finite.h"
 #include "common/expert_shape.h"
@@ -634,6 +636,17 @@ absl::Status ExpertServiceCore::Step(const v1::ExpertStepRequest& request,
   if (result.applied) {
     weights_version_.fetch_add(1, std::memory_order_relaxed);
     ++steps_since_digest_;
+    if (run_snapshot_sink_) {
+      // Copied under the writer lock: exactly the state this step left.
+      absl::StatusOr<std::vector<NamedTensor>> state = GetStateLocked(/*include_optimizer=*/true);
+      if (state.ok()) {
+        run_snapshot_sink_(RunSnapshot{run_id_, run_world_size_, result.last_applied_step,
+                                       std::move(state).value()});
+      } else {
+        LOG(WARNING) << "no run state of step " << result.last_applied_step << ": "
+                     << state.status();
+      }
+    }
   }
   lock.unlock();
   response->set_grad_norm_squared(result.grad_norm_squared);
@@ -734,10 +747,14 @@ absl::Status ExpertServiceCore::BeginRun(const v1::BeginRunRequest& request,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<NamedTensor>> ExpertServiceCore::GetState(
+absl::StatusOr<std::vector<NamedTensor>> ExpertServiceCore::GetState(bool include_optimizer) const {
+  std::shared_lock<std::shared_mutex> lock(state_mutex_);
+  return GetStateLocked(include_optimizer);
+}
+
+absl::StatusOr<std::vector<NamedTensor>> ExpertServiceCore::GetStateLocked(
     bool include_optimizer) const {
   std::vector<NamedTensor> state;
-  std::shared_lock<std::shared_mutex> lock(state_mutex_);
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
     for (int layer = 0; layer < num_layers(); ++layer) {
       for (const auto& [name, tensor] : groups_[layer]->named_parameters()) {
@@ -818,6 +835,25 @@ absl::Status ExpertServiceCore::SetState(absl::Span<const NamedTensor> tensors, 
   HIMOE_ASSIGN_OR_RETURN(weights_digest_, DigestWeights());
   steps_since_digest_ = 0;
   if (fingerprint != nullptr) *fingerprint = weights_fingerprint();
+  return absl::OkStatus();
+}
+
+absl::Status ExpertServiceCore::RestoreRun(const RunSnapshot& snapshot) {
+  constexpr uint32_t kMaxWorldSize = 4096;
+  if (snapshot.run_id.empty() || snapshot.world_size < 1 || snapshot.world_size > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat("run state: run_id '", snapshot.run_id,
+                                                   "', world_size ", snapshot.world_size,
+                                                   "; expected a run id and 1 to ", kMaxWorldSize));
+  }
+  HIMOE_RETURN_IF_ERROR(SetState(snapshot.state));
+  std::unique_lock<std::shared_mutex> lock(state_mutex_);
+  if (optimizer_->last_applied_step() != snapshot.last_applied_step) {
+    return absl::DataLossError(absl::StrCat("run state: the optimizer state is of step ",
+                                            optimizer_->last_applied_step(),
+                                            ", the header says step ", snapshot.last_applied_step));
+  }
+  run_id_ = snapshot.run_id;
+  run_world_size_ = snapshot.world_size;
   return absl::OkStatus();
 }
 

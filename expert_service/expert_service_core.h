@@ -24,6 +24,7 @@
 #include "expert_service/expert_group.h"
 #include "expert_service/expert_optimizer.h"
 #include "expert_service/expert_rows.h"
+#include "expert_service/run_state_file.h"
 #include "expert_service/saved_forward_store.h"
 #include "himoe/v1/expert.pb.h"
 #include "himoe/v1/model.pb.h"
@@ -155,6 +156,16 @@ class ExpertServiceCore {
   absl::Status SetState(absl::Span<const NamedTensor> tensors, bool served = false,
                         std::string* fingerprint = nullptr);
   absl::Status SetState(const std::string& name, const at::Tensor& tensor);
+  // Serves the run of `snapshot` (a run state file) from its last applied
+  // step: its weights and AdamW state (SetState), run id and world size.
+  // DATA_LOSS if the optimizer state is of another step than the header's.
+  absl::Status RestoreRun(const RunSnapshot& snapshot);
+  // Called by every Step that applies, under the writer lock, with the state
+  // it left (CPU copies of the weights and the AdamW state: the copy costs
+  // three times the weights' bytes per step). Set before serving.
+  void set_run_snapshot_sink(std::function<void(RunSnapshot)> sink) {
+    run_snapshot_sink_ = std::move(sink);
+  }
   // OK if `name` is a parameter or optimizer state entry of exactly this
   // dtype and shape.
   absl::Status ValidateStateTensor(const std::string& name, c10::ScalarType dtype,
@@ -203,6 +214,8 @@ class ExpertServiceCore {
   absl::StatusOr<at::Tensor> RunBackward(const SavedKey& key, SavedForward& saved, int rank,
                                          const std::vector<at::Tensor>& grads);
   int num_layers() const { return options_.shape.num_layers(); }
+  // GetState with state_mutex_ held (either side).
+  absl::StatusOr<std::vector<NamedTensor>> GetStateLocked(bool include_optimizer) const;
   // Caller holds state_mutex_ (either side) and grad_mutex_: runs the
   // pending weight gradients. After an error the grads are incomplete: it
   // is returned, the rest are dropped, and every later call returns it
@@ -276,6 +289,7 @@ class ExpertServiceCore {
   std::atomic<int64_t> bytes_out_{0};
   std::atomic<int64_t> in_flight_{0};
   std::function<void(double)> forward_observer_;
+  std::function<void(RunSnapshot)> run_snapshot_sink_;
 };
 
 }  // namespace himoe::expert

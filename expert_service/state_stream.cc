@@ -190,38 +190,30 @@ absl::StatusOr<std::vector<NamedTensor>> StateAssembler::Finish() {
 
 // --- State files ------------------------------------------------------------
 
-absl::Status SaveStateToFile(const ExpertServiceCore& core, const std::string& path,
-                             int64_t chunk_bytes, bool include_optimizer) {
-  HIMOE_ASSIGN_OR_RETURN(auto state, core.GetState(include_optimizer));
-  HIMOE_ASSIGN_OR_RETURN(auto chunker, StateChunker::Create(std::move(state), chunk_bytes));
-  std::string data;
-  google::protobuf::io::StringOutputStream out(&data);
+absl::Status AppendStateChunks(std::vector<NamedTensor> tensors, int64_t chunk_bytes,
+                               const std::string& path,
+                               google::protobuf::io::ZeroCopyOutputStream* out) {
+  HIMOE_ASSIGN_OR_RETURN(auto chunker, StateChunker::Create(std::move(tensors), chunk_bytes));
   v1::StateChunk chunk;
   while (chunker->Next(&chunk)) {
-    // Each call trims `data` to what it wrote.
-    if (!google::protobuf::util::SerializeDelimitedToZeroCopyStream(chunk, &out)) {
+    if (!google::protobuf::util::SerializeDelimitedToZeroCopyStream(chunk, out)) {
       return absl::DataLossError(absl::StrCat("state file '", path,
                                               "': cannot serialize the chunk of '",
                                               chunk.name(), "'"));
     }
   }
-  return WriteFileAtomically(path, data);
+  return absl::OkStatus();
 }
 
-absl::Status LoadStateFromFile(const std::string& path, ExpertServiceCore* core) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("state file '", path, "' cannot be read"));
-  google::protobuf::io::IstreamInputStream stream(&in);
-  StateAssembler assembler(
-      [core](const std::string& name, c10::ScalarType dtype, at::IntArrayRef shape) {
-        return core->ValidateStateTensor(name, dtype, shape);
-      });
+absl::StatusOr<std::vector<NamedTensor>> ReadStateChunks(
+    google::protobuf::io::ZeroCopyInputStream* in, const std::string& path,
+    StateAssembler::Validator validator) {
+  StateAssembler assembler(std::move(validator));
   v1::StateChunk chunk;
   for (;;) {
     bool clean_eof = false;
     chunk.Clear();  // parsing merges into the message
-    if (!google::protobuf::util::ParseDelimitedFromZeroCopyStream(&chunk, &stream,
-                                                                   &clean_eof)) {
+    if (!google::protobuf::util::ParseDelimitedFromZeroCopyStream(&chunk, in, &clean_eof)) {
       if (clean_eof) break;
       return absl::DataLossError(absl::StrCat(
           "state file '", path, "': truncated or corrupt after ", assembler.chunks(),
@@ -238,6 +230,30 @@ absl::Status LoadStateFromFile(const std::string& path, ExpertServiceCore* core)
     return absl::InvalidArgumentError(
         absl::StrCat("state file '", path, "' holds no tensors"));
   }
+  return tensors;
+}
+
+absl::Status SaveStateToFile(const ExpertServiceCore& core, const std::string& path,
+                             int64_t chunk_bytes, bool include_optimizer) {
+  HIMOE_ASSIGN_OR_RETURN(auto state, core.GetState(include_optimizer));
+  std::string data;
+  {
+    google::protobuf::io::StringOutputStream out(&data);
+    HIMOE_RETURN_IF_ERROR(AppendStateChunks(std::move(state), chunk_bytes, path, &out));
+  }
+  return WriteFileAtomically(path, data);
+}
+
+absl::Status LoadStateFromFile(const std::string& path, ExpertServiceCore* core) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("state file '", path, "' cannot be read"));
+  google::protobuf::io::IstreamInputStream stream(&in);
+  HIMOE_ASSIGN_OR_RETURN(const auto tensors,
+                         ReadStateChunks(&stream, path,
+                                         [core](const std::string& name, c10::ScalarType dtype,
+                                                at::IntArrayRef shape) {
+                                           return core->ValidateStateTensor(name, dtype, shape);
+                                         }));
   return core->SetState(tensors);
 }
 

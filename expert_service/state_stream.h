@@ -16,6 +16,11 @@
 #include "common/named_tensor.h"
 #include "himoe/v1/expert.pb.h"
 
+namespace google::protobuf::io {
+class ZeroCopyInputStream;
+class ZeroCopyOutputStream;
+}  // namespace google::protobuf::io
+
 namespace himoe::expert {
 
 class ExpertServiceCore;
@@ -81,6 +86,17 @@ class StateAssembler {
   int64_t current_bytes_ = 0;  // expected total
   int64_t chunks_ = 0;
 };
+
+// Appends `tensors` to `out` as length-delimited StateChunk messages (`path`
+// names the file in errors).
+absl::Status AppendStateChunks(std::vector<NamedTensor> tensors, int64_t chunk_bytes,
+                               const std::string& path,
+                               google::protobuf::io::ZeroCopyOutputStream* out);
+// Reads length-delimited StateChunk messages to the end of `in`: the tensors
+// in order; DATA_LOSS if truncated, INVALID_ARGUMENT if there are none.
+absl::StatusOr<std::vector<NamedTensor>> ReadStateChunks(
+    google::protobuf::io::ZeroCopyInputStream* in, const std::string& path,
+    StateAssembler::Validator validator = nullptr);
 
 // State files: a length-delimited stream of StateChunk messages, written
 // atomically (readers see the old file or the new one).

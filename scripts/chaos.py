@@ -183,13 +183,16 @@ class Experts:
         self.bed, self.flags = bed, flags
         self.bin = os.path.join(build, "expert_service", "himoe-expert")
         self.procs = {}
+        self.run_state_dir = ""  # set: each keeps its run in <dir>/expert<g>.run
 
     def address(self, g):
         return f"{self.bed.host_ips[g]}:{EXPERT_PORT}"
 
     def start(self, g):
+        run_state = [f"--run_state_file={self.run_state_dir}/expert{g}.run"] \
+            if self.run_state_dir else []
         self.procs[g] = start_service(self.bed, self.bed.hosts[g], f"expert{g}", [
-            self.bin, f"--address={self.address(g)}", f"--group_id={g}"] + self.flags)
+            self.bin, f"--address={self.address(g)}", f"--group_id={g}"] + self.flags + run_state)
 
     def stop_all(self):
         stop_processes(self.procs.values())
@@ -379,6 +382,8 @@ def train(a, bed):
     groups = len(bed.hosts)
     model = chaos_model(bed)
     experts, cluster = experts_and_cluster(bed, a.build, "cluster.textproto")
+    if a.run_state:
+        experts.run_state_dir = bed.work
     flags = ["--experts=cluster", f"--cluster={cluster}", "--n_layer", str(model["layers"]),
              "--d_model", str(model["d"]), "--d_ff", str(model["d_ff"]), "--dense_ff", "64",
              "--n_head", "2", "--block_size", "32", "--batch_size", "4", "--grad_accum", "2",
@@ -601,6 +606,13 @@ def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
     if u["fired"] is not None and u["checked"] is not None:
         down_s += u["checked"] - u["fired"]
     trainer_restarts = sum(1 for _, _, e in result["exits"] if e)
+    # Expert starts after the first of each host, and those that restored a run.
+    expert_restarts, expert_restored = 0, 0
+    for g in range(len(bed.hosts)):
+        with open(os.path.join(bed.work, f"expert{g}.log"), errors="replace") as f:
+            text = f.read()
+        expert_restarts += max(0, text.count("; serving on ") - 1)
+        expert_restored += text.count("' restored at step ")
     theory = redone * step_s + down_s + trainer_restarts * start_s
     lost = result["wall"] - ref_wall
     fired = [f for f in faults if f.fired]
@@ -613,7 +625,8 @@ def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
           f"{os.cpu_count()} cores, {platform.system()}: {len(bed.hosts)} expert hosts in network "
           f"namespaces, {a.steps} steps (2 MoE layers, d_model 32, {2 * len(bed.hosts)} experts), "
           f"checkpoint every {a.checkpoint_every} steps, keepalive {a.keepalive_ms} ms, "
-          f"--retry_failed_step={'true' if a.retry_failed_step else 'false'}.", "",
+          f"--retry_failed_step={'true' if a.retry_failed_step else 'false'}, expert "
+          f"--run_state_file {'on' if a.run_state else 'off'}.", "",
           "| fault | step | target | s | detected after s | first step after restore s |",
           "|---|---|---|---|---|---|"]
     for f in faults:
@@ -625,6 +638,10 @@ def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
            f"| trainer restarts (its own faults) | {trainer_restarts} |",
            f"| failed steps run again in place / checkpoint reloads (group recoveries and "
            f"trainer restarts) | {in_place} / {reloaded} |",
+           f"| group recoveries by checkpoint reload (not a trainer restart) | "
+           f"{reloaded - trainer_restarts} |",
+           f"| expert restarts / of them serving the run again from their run state file | "
+           f"{expert_restarts} / {expert_restored} |",
            f"| exits not caused by a fault | {len(unexpected)} |",
            f"| group 0 down past --group_wait_s {a.group_wait_s} s | "
            f"{u_text(result['unhealable'])} |",
@@ -947,6 +964,9 @@ def main():
     ap.add_argument("--retry_failed_step", type=int, default=1,
                     help="train: 1 runs a failed step again where every group kept its state; "
                          "0 always reloads the last checkpoint")
+    ap.add_argument("--run_state", type=int, default=1,
+                    help="train: 1 gives each expert a --run_state_file, so a restarted group "
+                         "serves the run again; 0: a restarted group costs a checkpoint reload")
     ap.add_argument("--unhealable", type=int, default=1,
                     help="1: end with a group down past --group_wait_s")
     ap.add_argument("--out", default="")

@@ -17,7 +17,7 @@
 # Needs root and iproute2; exits 77 without them. Prints the schedule and the
 # figures; writes them as Markdown (--out, default runs/bench/chaos-<mode>.md).
 #
-#   scripts/chaos.sh train [--seed S] [--faults N] [--steps N] [--out F]
+#   scripts/chaos.sh train [--seed S] [--faults N] [--steps N] [--run_state 0|1] [--out F]
 #   scripts/chaos.sh serve [--seed S] [--seconds N] [--interval N] [--out F]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,7 +33,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
     --seed | --faults | --steps | --checkpoint_every | --keepalive_ms | --group_wait_s | \
-      --unhealable | --retry_failed_step | --seconds | --interval | --deadline_ms | --new_tokens)
+      --unhealable | --retry_failed_step | --run_state | --seconds | --interval | --deadline_ms | --new_tokens)
       args+=("$1" "$2"); shift 2 ;;
     *) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
   esac

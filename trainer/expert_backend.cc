@@ -45,6 +45,13 @@ absl::Status ValidateWireDtype(c10::ScalarType wire) {
   return absl::OkStatus();
 }
 
+absl::Status LastAppliedIs(size_t group, uint64_t applied, uint64_t step) {
+  if (applied == step) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "expert group ", group, " last applied step ", applied, ", the trainer's last step is ", step,
+      " (a group restarted on a run state file older than that step)"));
+}
+
 std::string LayerName(int layer, const std::string& name) {
   return absl::StrCat("layer", layer, ".", name);
 }
@@ -119,6 +126,13 @@ class InProcessBackend final : public ExpertBackend {
 
   absl::Status Abort(uint64_t) override {
     for (const auto& o : optimizers_) o->ZeroGrad();
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckLastApplied(uint64_t step) override {
+    for (size_t g = 0; g < optimizers_.size(); ++g) {
+      HIMOE_RETURN_IF_ERROR(LastAppliedIs(g, optimizers_[g]->last_applied_step(), step));
+    }
     return absl::OkStatus();
   }
 
@@ -333,6 +347,19 @@ class RemoteBackend final : public ExpertBackend {
       if (!s.ok() && first.ok()) first = s;
     }
     return first;
+  }
+
+  absl::Status CheckLastApplied(uint64_t step) override {
+    for (size_t g = 0; g < clients_.size(); ++g) {
+      HIMOE_ASSIGN_OR_RETURN(const v1::ExpertInfoResponse info, clients_[g]->Info());
+      if (info.run_id() != options_.run_id) {
+        return absl::FailedPreconditionError(absl::StrCat("expert group ", g, " serves run '",
+                                                          info.run_id(), "', not run '",
+                                                          options_.run_id, "'"));
+      }
+      HIMOE_RETURN_IF_ERROR(LastAppliedIs(g, info.last_applied_step(), step));
+    }
+    return absl::OkStatus();
   }
 
   absl::StatusOr<std::vector<NamedTensor>> GetState(int g) override {

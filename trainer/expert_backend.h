@@ -82,6 +82,10 @@ class ExpertBackend {
   virtual absl::Status Step(uint64_t step, const AdamWHyper& hyper, double grad_scale) = 0;
   // Drops whatever a failed step left behind.
   virtual absl::Status Abort(uint64_t step) = 0;
+  // OK if every group serves this run with `step` as its last applied step;
+  // FAILED_PRECONDITION naming a group that does not (one restarted on a run
+  // state file written before its last step).
+  virtual absl::Status CheckLastApplied(uint64_t step) = 0;
   // A group's weights and optimizer state, for checkpoints.
   virtual absl::StatusOr<std::vector<NamedTensor>> GetState(int group) = 0;
   virtual absl::Status SetState(int group, const std::vector<NamedTensor>& state) = 0;

@@ -499,10 +499,13 @@ absl::Status Trainer::RetryFailedStep() {
   }
   // Abort is refused by a group that serves another run or none: one
   // restarted since, its weights lost.
-  const absl::Status aborted = experts_->Abort(retry_->step);
-  if (!aborted.ok()) {
-    if (!absl::IsUnavailable(aborted) && !absl::IsDeadlineExceeded(aborted)) retry_.reset();
-    return aborted;
+  // A group restarted on a run state file serves this run again, but must
+  // be at the trainer's last step.
+  absl::Status kept = experts_->Abort(retry_->step);
+  if (kept.ok()) kept = experts_->CheckLastApplied(static_cast<uint64_t>(step_));
+  if (!kept.ok()) {
+    if (!absl::IsUnavailable(kept) && !absl::IsDeadlineExceeded(kept)) retry_.reset();
+    return kept;
   }
   const std::string sampler_state = std::move(retry_->sampler_state);
   retry_.reset();

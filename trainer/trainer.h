@@ -152,10 +152,11 @@ class Trainer {
   bool failed_step_retryable() const { return retry_.has_value(); }
   // Readies the failed step to run again as if it had not run: every group
   // drops what it kept of it (Abort), the batches it drew are drawn again.
-  // FAILED_PRECONDITION when a group no longer serves this run (restarted:
-  // its weights are lost; the step is then not retryable: recover from a
-  // checkpoint); UNAVAILABLE or DEADLINE_EXCEEDED when one cannot be reached
-  // yet (it stays retryable).
+  // FAILED_PRECONDITION when a group no longer serves this run (restarted
+  // without a run state file: its weights are lost) or is not at the last
+  // step (restarted on an older run state file); the step is then not
+  // retryable: recover from a checkpoint. UNAVAILABLE or DEADLINE_EXCEEDED
+  // when one cannot be reached yet (it stays retryable).
   absl::Status RetryFailedStep();
   // Mean cross entropy and routing statistics over the fixed validation
   // windows.

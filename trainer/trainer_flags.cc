@@ -49,6 +49,11 @@ absl::Status ValidateModes(const TrainerFlags& f) {
         "--expert_metrics_port: a port >= 0, or -1, and only with --experts=local (the cluster "
         "file gives a cluster's metrics ports)");
   }
+  if (f.group_run_state && f.experts != "local") {
+    return absl::InvalidArgumentError(
+        "--group_run_state: only with --experts=local (give each himoe-expert of a cluster "
+        "--run_state_file)");
+  }
   if (!f.expert_addresses.empty() && f.experts != "local") {
     return absl::InvalidArgumentError(
         "--expert_addresses: only with --experts=local (a cluster file lists a cluster's groups)");

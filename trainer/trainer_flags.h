@@ -98,6 +98,9 @@ struct TrainerFlags {
   // wait_and_resume: when every group kept its state, run the failed step
   // again instead of reloading the last checkpoint.
   bool retry_failed_step = true;
+  // --experts=local: each group keeps its run in <out_dir>/experts/
+  // expert-<g>.run (himoe-expert --run_state_file).
+  bool group_run_state = false;
   TlsFiles tls;
   int group_wait_s = 300;
   int group_keepalive_ms = 2000;

@@ -142,8 +142,14 @@ ABSL_FLAG(std::string, on_group_failure, "",
 ABSL_FLAG(int, max_group_restarts, 3, "group failures wait_and_resume recovers from, then fails");
 ABSL_FLAG(bool, retry_failed_step, true,
           "wait_and_resume: when every group kept its state (a stalled process, a cut link, "
-          "reset connections; not a restart), run the failed step again instead of reloading "
-          "the last checkpoint and redoing the steps since");
+          "reset connections, a restart on its run state file), run the failed step again "
+          "instead of reloading the last checkpoint and redoing the steps since");
+ABSL_FLAG(bool, group_run_state, false,
+          "--experts=local: each group keeps its training run in "
+          "<out_dir>/experts/expert-<g>.run (himoe-expert --run_state_file, rewritten after "
+          "every step), so a group restarted after it died serves the run again and the failed "
+          "step runs again in place; costs a copy and a write of each group's weights and AdamW "
+          "state a step");
 ABSL_FLAG(int, group_wait_s, 300,
           "wait_and_resume: seconds to wait for the groups to serve again");
 ABSL_FLAG(int, group_keepalive_ms, 2000,
@@ -269,6 +275,7 @@ void ReadRunFlags(TrainerFlags& f) {
   f.on_group_failure = absl::GetFlag(FLAGS_on_group_failure);
   f.max_group_restarts = absl::GetFlag(FLAGS_max_group_restarts);
   f.retry_failed_step = absl::GetFlag(FLAGS_retry_failed_step);
+  f.group_run_state = absl::GetFlag(FLAGS_group_run_state);
   f.group_wait_s = absl::GetFlag(FLAGS_group_wait_s);
   f.group_keepalive_ms = absl::GetFlag(FLAGS_group_keepalive_ms);
   f.log_every = absl::GetFlag(FLAGS_log_every);

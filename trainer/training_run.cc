@@ -158,6 +158,7 @@ absl::StatusOr<std::unique_ptr<local::LocalExpertCluster>> StartLocalExpertProce
   e.metrics_port_base = flags.expert_metrics_port;
   e.tls = flags.tls;
   e.shared_memory = flags.shared_memory;
+  e.run_state = flags.group_run_state;
   return local::LocalExpertCluster::Start(e);
 }
 

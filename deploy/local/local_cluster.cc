@@ -44,6 +44,9 @@ ServiceSpec ExpertServiceSpec(const std::string& binary, const ExpertProcessOpti
     spec.argv.push_back(absl::StrCat("--metrics_address=", site.metrics_host));
   }
   if (options.shared_memory) spec.argv.push_back("--shared_memory");
+  if (options.run_state) {
+    spec.argv.push_back(absl::StrCat("--run_state_file=", site.log_dir, "/expert-", g, ".run"));
+  }
   if (options.max_tokens > 0) {
     spec.argv.push_back(absl::StrCat("--max_tokens=", options.max_tokens));
   }

@@ -38,6 +38,9 @@ struct ExpertProcessOptions {
   bool shared_memory = false;
   // --max_tokens of every group; 0 = himoe-expert's default.
   int64_t max_tokens = 0;
+  // --run_state_file=<log_dir>/expert-<g>.run: a group started again serves
+  // the run it kept there.
+  bool run_state = false;
 };
 
 // M himoe-expert processes on 127.0.0.1 (ports picked by the services),
@@ -96,7 +99,7 @@ struct ExpertSite {
 
 // The one builder of a himoe-expert service: the command line (the shape's
 // flags, device, threads, port file, metrics, shared memory, max_tokens,
-// TLS), its files, and the readiness probe (Info answers as the group, with
+// TLS, run state file), its files, and the readiness probe (Info answers as the group, with
 // `options.shape`). `binary` is argv[0].
 ServiceSpec ExpertServiceSpec(const std::string& binary, const ExpertProcessOptions& options,
                               const ExpertSite& site);

@@ -50,6 +50,7 @@ TEST(ExpertServiceSpecTest, EveryOptionOnTheCommandLine) {
   o.threads = 3;
   o.shared_memory = true;
   o.max_tokens = 100000;
+  o.run_state = true;
   o.tls = TlsFiles{"ca.pem", "cert.pem", "key.pem"};
   ExpertSite site;
   site.group_id = 3;
@@ -61,14 +62,15 @@ TEST(ExpertServiceSpecTest, EveryOptionOnTheCommandLine) {
   site.metrics_port = 9468;
   site.metrics_host = "0.0.0.0";
   const ServiceSpec spec = ExpertServiceSpec("himoe-expert", o, site);
-  EXPECT_THAT(spec.argv,
-              ElementsAre("himoe-expert", "--address=[::1]:50054", "--group_id=3", "--num_groups=4",
-                          "--num_experts=8", "--num_layers=2", "--d_model=64", "--d_ff=256",
-                          "--seed=7", "--dtype=bfloat16", "--matmul_dtype=bfloat16",
-                          "--init=switch", "--n_layer=4", "--device=cuda:1", "--threads=3",
-                          "--port_file=/var/log/himoe/expert-3.port", "--metrics_port=9468",
-                          "--metrics_address=0.0.0.0", "--shared_memory", "--max_tokens=100000",
-                          "--tls_ca=ca.pem", "--tls_cert=cert.pem", "--tls_key=key.pem"));
+  EXPECT_THAT(
+      spec.argv,
+      ElementsAre("himoe-expert", "--address=[::1]:50054", "--group_id=3", "--num_groups=4",
+                  "--num_experts=8", "--num_layers=2", "--d_model=64", "--d_ff=256", "--seed=7",
+                  "--dtype=bfloat16", "--matmul_dtype=bfloat16", "--init=switch", "--n_layer=4",
+                  "--device=cuda:1", "--threads=3", "--port_file=/var/log/himoe/expert-3.port",
+                  "--metrics_port=9468", "--metrics_address=0.0.0.0", "--shared_memory",
+                  "--run_state_file=/var/log/himoe/expert-3.run", "--max_tokens=100000",
+                  "--tls_ca=ca.pem", "--tls_cert=cert.pem", "--tls_key=key.pem"));
   EXPECT_EQ(spec.address, "[::1]:50054");
   EXPECT_EQ(spec.dial_host, "::1");
   EXPECT_TRUE(spec.want_metrics_port);

@@ -21,7 +21,8 @@ one) and checks the rendered objects:
   model flags) and the trainer; the generated ConfigMap name is referenced;
 - CPU requests everywhere; the GPU overlay gives experts nvidia.com/gpu: 1 and
   --device=cuda:0, the base --device=cpu and no GPU;
-- the PVC is mounted in the trainer at its --out_dir;
+- the PVC is mounted in the trainer at its --out_dir; an expert's
+  --run_state_file lies on a writable emptyDir of its pod;
 - overlays/data-parallel: an Indexed Job of WORLD_SIZE trainer pods, RANK from
   the completion index, MASTER_ADDR the pod of index 0 through a headless
   Service that serves MASTER_PORT, a ReadWriteMany PVC, and each rank's
@@ -558,6 +559,16 @@ def check_variant(objs, variant, stubs):
                         ("seed", m.seed), ("dtype", m.expert_dtype)]:
         C.check(f.get(flag) == str(value),
                 f"{EXPERT}: --{flag}={f.get(flag)} but the cluster file's model says {value}")
+
+    # The run state file lies on the pod's own writable emptyDir, which
+    # outlives a container restart.
+    path = f.get("run_state_file")
+    c = runs[EXPERT][0]
+    empty_dirs = [v["name"] for v in pod_spec(sts).get("volumes") or [] if "emptyDir" in v]
+    ok = [vm for vm in c.get("volumeMounts") or [] if vm["name"] in empty_dirs and
+          not vm.get("readOnly") and path and
+          os.path.dirname(path) == vm["mountPath"].rstrip("/")]
+    C.check(ok, f"{EXPERT}: --run_state_file={path} is not on a writable emptyDir mount")
 
     # Router and trainer read the generated ConfigMap (its hashed name).
     for comp in (ROUTER, TRAINER):

@@ -9,9 +9,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <limits>
+#include <iterator>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -26,6 +29,7 @@
 #include <torch/optim/adamw.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/shared_memory.h"
 #include "common/tensor_codec.h"
 #include "expert_service/expert_group.h"
@@ -33,9 +37,11 @@
 #include "expert_service/expert_optimizer.h"
 #include "expert_service/expert_rows.h"
 #include "expert_service/expert_service_core.h"
+#include "expert_service/run_state_file.h"
 #include "expert_service/state_stream.h"
 #include "himoe/v1/expert.grpc.pb.h"
 #include "tests/expert_service/expert_test_util.h"
+#include "tests/temp_dir.h"
 
 // Its own namespace: expert_service_test.cc, built with it, has helpers of
 // the same names for another shape.
@@ -1652,6 +1658,144 @@ TEST_F(ExpertTrainingGrpcTest, OptimizerStateMovesToAFreshService) {
   fresh_stub.reset();
   (*fresh)->Shutdown(absl::Seconds(5));
   (*fresh)->Wait();
+}
+
+// --- The run state file ------------------------------------------------------------
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// One step of run `run` through the core: a saved Forward, Backward, Step.
+void TrainRunStep(ExpertServiceCore* core, uint64_t step, const std::string& run,
+                  const Inputs& inputs, const std::vector<at::Tensor>& grads) {
+  CoreForwardBackward(core, Key{step, 0, 1, 0, run}, inputs, grads);
+  v1::ExpertStepRequest request = StepRequest(step);
+  request.set_run_id(run);
+  v1::ExpertStepResponse r;
+  const absl::Status s = core->Step(request, &r);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(r.applied());
+}
+
+// A service restarted on its run state file serves the run from the step the
+// file holds: the weights and AdamW state bit for bit, so that the next step
+// equals the one of a service that never stopped.
+TEST(ExpertRunStateTest, ARestartedServiceServesTheRunFromItsFile) {
+  test_util::TempDir dir("expert_run_state");
+  ExpertServerOptions options;
+  options.core = CoreOptions();
+  options.run_state_file = dir.Sub("group1.run");
+  auto server = ExpertServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_FALSE((*server)->restored_step().has_value());
+  auto reference = MakeCore();  // never restarted
+  v1::BeginRunRequest begin;
+  begin.set_run_id("run-r");
+  v1::BeginRunResponse begun;
+  ASSERT_TRUE((*server)->core()->BeginRun(begin, &begun).ok());
+  ASSERT_TRUE(reference->BeginRun(begin, &begun).ok());
+  // No file before the first applied Step.
+  ASSERT_TRUE((*server)->FlushRunState().ok());
+  EXPECT_EQ(KindOf(options.run_state_file), PathKind::kMissing);
+
+  std::string after_step_2;
+  for (uint64_t step = 1; step <= 3; ++step) {
+    const Inputs inputs = RandomInputs({{2, 4}, {3, 3}});
+    const std::vector<at::Tensor> grads = RandomGrads(inputs);
+    ASSERT_NO_FATAL_FAILURE(TrainRunStep((*server)->core(), step, "run-r", inputs, grads));
+    ASSERT_NO_FATAL_FAILURE(TrainRunStep(reference.get(), step, "run-r", inputs, grads));
+    ASSERT_TRUE((*server)->FlushRunState().ok());
+    if (step == 2) after_step_2 = ReadBytes(options.run_state_file);
+  }
+  auto want = reference->GetState(/*include_optimizer=*/true);
+  ASSERT_TRUE(want.ok());
+  server->reset();  // as a killed process: only the file is left
+
+  auto restarted = ExpertServer::Start(options);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  EXPECT_EQ((*restarted)->restored_step(), std::optional<uint64_t>(3));
+  const ExpertServiceInfo info = (*restarted)->core()->Info();
+  EXPECT_EQ(info.run_id, "run-r");
+  EXPECT_EQ(info.last_applied_step, 3u);
+  EXPECT_FALSE(info.served);
+  auto got = (*restarted)->core()->GetState(/*include_optimizer=*/true);
+  ASSERT_TRUE(got.ok());
+  EXPECT_TRUE(SameWeights(*got, *want));
+  // Step 4 depends on the AdamW moments: equal only if they were restored.
+  const Inputs inputs = RandomInputs({{2, 5}, {3, 1}});
+  const std::vector<at::Tensor> grads = RandomGrads(inputs);
+  ASSERT_NO_FATAL_FAILURE(TrainRunStep((*restarted)->core(), 4, "run-r", inputs, grads));
+  ASSERT_NO_FATAL_FAILURE(TrainRunStep(reference.get(), 4, "run-r", inputs, grads));
+  EXPECT_TRUE(SameWeights(Weights(*(*restarted)->core()), Weights(*reference)));
+  // Another run's calls are still refused.
+  v1::ExpertAbortRequest abort;
+  abort.set_run_id("run-other");
+  v1::ExpertAbortResponse aborted;
+  EXPECT_EQ((*restarted)->core()->Abort(abort, &aborted).code(),
+            absl::StatusCode::kFailedPrecondition);
+  restarted->reset();
+
+  // An older file gives the older step: the trainer sees it (CheckLastApplied).
+  WriteBytes(options.run_state_file, after_step_2);
+  auto older = ExpertServer::Start(options);
+  ASSERT_TRUE(older.ok()) << older.status();
+  EXPECT_EQ((*older)->restored_step(), std::optional<uint64_t>(2));
+  EXPECT_EQ((*older)->core()->last_applied_step(), 2u);
+  older->reset();
+
+  // Another group's file, or one cut short, is refused naming the file.
+  ExpertServerOptions other = options;
+  other.core.group_id = 2;
+  auto refused = ExpertServer::Start(other);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("group 1"));
+  EXPECT_THAT(refused.status().message(), HasSubstr(options.run_state_file));
+  WriteBytes(options.run_state_file, after_step_2.substr(0, after_step_2.size() / 2));
+  refused = ExpertServer::Start(options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr(options.run_state_file));
+}
+
+// Submit never waits for the disk: of snapshots submitted faster than they
+// are written, the last one is on disk after Flush.
+TEST(ExpertRunStateTest, TheWriterKeepsTheLatestSnapshot) {
+  test_util::TempDir dir("expert_run_state");
+  auto core = MakeCore();
+  auto state = core->GetState(/*include_optimizer=*/true);
+  ASSERT_TRUE(state.ok());
+  const v1::ExpertShape shape = CoreOptions().shape;
+  const std::string path = dir.Sub("writer.run");
+  int64_t written = 0;
+  {
+    RunStateWriter writer(path, shape, kGroup);
+    for (uint64_t step = 1; step <= 20; ++step) {
+      writer.Submit(RunSnapshot{"run-w", 2, step, *state});
+    }
+    ASSERT_TRUE(writer.Flush().ok());
+    written = writer.written();
+    writer.Submit(RunSnapshot{"run-w", 2, 21, *state});
+  }  // the destructor writes the one waiting
+  EXPECT_GE(written, 1);
+  EXPECT_LE(written, 20);
+  auto read = ReadRunStateFile(path, shape, kGroup);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_TRUE(read->has_value());
+  EXPECT_EQ((*read)->run_id, "run-w");
+  EXPECT_EQ((*read)->world_size, 2u);
+  EXPECT_EQ((*read)->last_applied_step, 21u);
+  EXPECT_TRUE(SameWeights((*read)->state, *state));
+  // No file: nothing to restore.
+  auto none = ReadRunStateFile(dir.Sub("absent.run"), shape, kGroup);
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_value());
 }
 
 }  // namespace

@@ -5,7 +5,8 @@
 # then a group down past --group_wait_s. Passes when the run ends by itself
 # with a final checkpoint bit-identical to the fault-free run's, every step
 # once in the run log with the fault-free losses, failed steps ran again in
-# place (every group kept its state) as well as from checkpoints, and the
+# place (every group kept its state, or a restarted one got it back from its
+# run state file) as well as from checkpoints, and the
 # unhealable fault ended the trainer naming the group and its last good
 # checkpoint. Needs root; skipped (exit 77) otherwise.
 set -euo pipefail
@@ -22,6 +23,9 @@ grep -q '| final checkpoint sha256 equal to the fault-free run.s | yes |' "${out
 grep -q '| run log: steps 1..60 once, losses equal | yes |' "${out}/chaos.md"
 # Both recoveries ran: a failed step again in place, and checkpoint reloads.
 grep -Eq '^\| failed steps run again in place / checkpoint reloads .* \| [1-9][0-9]* / [1-9][0-9]* \|$' \
+  "${out}/chaos.md"
+# Restarted expert processes served the run again from their run state files.
+grep -Eq '^\| expert restarts / of them serving the run again .* \| [1-9][0-9]* / [1-9][0-9]* \|$' \
   "${out}/chaos.md"
 grep -q 'did not all serve again within 10 s: expert group 0 .*last good checkpoint is ' \
   "${out}/chaos.md"

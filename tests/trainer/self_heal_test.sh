@@ -5,7 +5,8 @@
 # those of an uninterrupted run with the same seed. Four micro-batches a step
 # (--grad_accum 2, each batch split in two by default with remote experts),
 # two at once (--micro_batches_in_flight's default): the kill finds calls of
-# both in flight.
+# both in flight. Then again with --group_run_state: the restarted group
+# serves the run from its run state file.
 set -euo pipefail
 trainer="${HIMOE_BUILD_DIR}/trainer/himoe-trainer"
 out="$(mktemp -d)"
@@ -19,22 +20,28 @@ flags=(--experts=local --n_layer 2 --d_model 32 --d_ff 64 --dense_ff 64 --n_head
        --block_size 32 --batch_size 4 --grad_accum 2 --steps 24 --eval_every 8 --eval_windows 4
        --checkpoint_every 4 --keep_checkpoints 10 --log_every 100 --blas_probe=false)
 
-"${trainer}" "${flags[@]}" --out_dir "${out}/healed" 2>"${out}/healed.log" &
-pid=$!
-# Kill group 1 (SIGKILL: no clean shutdown) once step 6 is logged: after the
-# checkpoint of step 4 (and, on a busy machine, maybe of a later one).
-for _ in $(seq 1 600); do
-  grep -q '"kind":"train","step":6,' "${out}/healed/metrics.jsonl" 2>/dev/null && break
-  kill -0 "${pid}" 2>/dev/null || break
-  sleep 0.05
-done
-victim="$(cat "${out}/healed/experts/expert-1.pid")"
-kill -9 "${victim}"
-status=0
-wait "${pid}" || status=$?
-pid=""
-cat "${out}/healed.log"
-test "${status}" -eq 0
+# Trains into ${out}/$1 (extra flags after it) and kills group 1 (SIGKILL: no
+# clean shutdown) once step 6 is logged: after the checkpoint of step 4 (and,
+# on a busy machine, maybe of a later one). Its log goes to ${out}/$1.log.
+train_and_kill_group_1() {
+  local run="$1"
+  shift
+  "${trainer}" "${flags[@]}" "$@" --out_dir "${out}/${run}" 2>"${out}/${run}.log" &
+  pid=$!
+  for _ in $(seq 1 600); do
+    grep -q '"kind":"train","step":6,' "${out}/${run}/metrics.jsonl" 2>/dev/null && break
+    kill -0 "${pid}" 2>/dev/null || break
+    sleep 0.05
+  done
+  kill -9 "$(cat "${out}/${run}/experts/expert-1.pid")"
+  local status=0
+  wait "${pid}" || status=$?
+  pid=""
+  cat "${out}/${run}.log"
+  test "${status}" -eq 0
+}
+
+train_and_kill_group_1 healed
 grep -q "micro-batches: 2 of each step's 4 at once" "${out}/healed.log"
 grep -q "expert group failure at step" "${out}/healed.log"
 grep -q "restarted expert group(s) 1" "${out}/healed.log"
@@ -57,6 +64,22 @@ for f in dense.pt experts_g0.pt experts_g1.pt experts_g2.pt experts_g3.pt data.t
 done
 # The same validation loss, to the printed digit.
 test "$(grep -o 'validation: loss .*' "${out}/healed.log")" = "$(grep -o 'validation: loss .*' "${out}/plain.log")"
+# With --group_run_state the restarted group serves the run again from its
+# run state file (the failed step then runs again in place, unless the kill
+# fell in the groups' Step or before its file was written), and the run ends
+# as the uninterrupted one.
+train_and_kill_group_1 kept --group_run_state
+grep -q "restarted expert group(s) 1" "${out}/kept.log"
+grep -Eq "run '.*' restored at step [0-9]+ from .*/experts/expert-1.run" \
+  "${out}/kept/experts/expert-1.log"
+grep -q "every expert group kept its state" "${out}/kept.log" &&
+  echo "the failed step ran again in place" || echo "the failed step reloaded a checkpoint"
+for step in $(seq 1 24); do
+  test "$(grep -c "\"kind\":\"train\",\"step\":${step}," "${out}/kept/metrics.jsonl")" -eq 1
+done
+for f in dense.pt experts_g0.pt experts_g1.pt experts_g2.pt experts_g3.pt data.txt; do
+  cmp "${out}/kept/${final}/${f}" "${out}/plain/${final}/${f}"
+done
 if pgrep -f -- "${out}" >/dev/null; then
   echo "expert processes left behind" >&2
   exit 1

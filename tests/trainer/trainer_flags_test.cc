@@ -196,6 +196,12 @@ TEST(TrainerFlagsTest, BadFlagsAreNamed) {
   EXPECT_THAT(Refusal(f), HasSubstr("--expert_metrics_port"));
 
   f = Inprocess();
+  f.group_run_state = true;
+  EXPECT_THAT(Refusal(f), HasSubstr("--group_run_state: only with --experts=local"));
+  f.experts = "local";
+  EXPECT_TRUE(ValidateTrainerFlags(f).ok());
+
+  f = Inprocess();
   f.matmul_dtype = "fp16";
   EXPECT_EQ(Refusal(f), "--matmul_dtype: expected float32 or bfloat16, got 'fp16'");
   f = Inprocess();

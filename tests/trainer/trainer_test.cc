@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -82,6 +83,40 @@ std::map<std::string, at::Tensor> AllParameters(Trainer& t) {
     }
   }
   return out;
+}
+
+// Every parameter and buffer of `got` (dense and expert) bit for bit `want`'s.
+void ExpectSameParameters(Trainer& want, Trainer& got) {
+  const auto w = AllParameters(want);
+  const auto g = AllParameters(got);
+  ASSERT_EQ(w.size(), g.size());
+  for (const auto& [name, tensor] : w) {
+    ASSERT_TRUE(g.count(name)) << name;
+    EXPECT_TRUE(at::equal(g.at(name), tensor)) << name;
+  }
+}
+
+// Runs `steps` steps of `t`: their losses, fewer after a failed step.
+std::vector<double> StepLosses(Trainer& t, int steps) {
+  std::vector<double> losses;
+  for (int i = 0; i < steps; ++i) {
+    auto r = t.Step();
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) break;
+    losses.push_back(r->loss);
+  }
+  return losses;
+}
+
+// RetryFailedStep, again while a group is still unreachable (the channel
+// reconnecting), for up to 5 s.
+absl::Status RetryWhileUnreachable(Trainer& t) {
+  absl::Status s = t.RetryFailedStep();
+  for (int i = 0; i < 50 && absl::IsUnavailable(s); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    s = t.RetryFailedStep();
+  }
+  return s;
 }
 
 // A method, whether the balance controller runs (target expert CV > 0), and
@@ -616,23 +651,31 @@ TEST(RemoteTrainingTest, UnreachableGroupFailsTheStepAsUnavailable) {
   EXPECT_EQ((*t)->step(), 1);
 }
 
+// The uninterrupted run a retried one must equal: 3 steps on 4 remote groups.
+class RetriedStepTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto reference = Trainer::Create(reference_cluster_.Remote(options_));
+    ASSERT_TRUE(reference.ok()) << reference.status();
+    reference_ = std::move(reference).value();
+    losses_ = StepLosses(*reference_, 3);
+    ASSERT_EQ(losses_.size(), 3u);
+  }
+
+  const TrainerOptions options_ = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster reference_cluster_{options_};
+  std::unique_ptr<Trainer> reference_;
+  std::vector<double> losses_;
+};
+
 // A step that fails before it updates anything (a group unreachable in its
 // forward pass) runs again in place once every group serves the run with
 // the state it had: the run then goes on exactly as the uninterrupted one
 // (the batches are drawn again, the routers' state and the groups' saved
 // Forwards put back). A group that lost its state (a new process on the
 // same address) refuses it, and the step is no longer retryable.
-TEST(RemoteTrainingTest, AFailedStepRunsAgainInPlaceWhenEveryGroupKeptItsState) {
-  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
-  ExpertCluster reference_cluster(o);
-  auto reference = Trainer::Create(reference_cluster.Remote(o));
-  ASSERT_TRUE(reference.ok()) << reference.status();
-  std::vector<double> losses;
-  for (int step = 0; step < 3; ++step) {
-    auto r = (*reference)->Step();
-    ASSERT_TRUE(r.ok()) << r.status();
-    losses.push_back(r->loss);
-  }
+TEST_F(RetriedStepTest, RunsAgainInPlaceWhenEveryGroupKeptItsState) {
+  const TrainerOptions& o = options_;
 
   ExpertCluster cluster(o);
   auto t = Trainer::Create(cluster.Remote(o));
@@ -660,25 +703,15 @@ TEST(RemoteTrainingTest, AFailedStepRunsAgainInPlaceWhenEveryGroupKeptItsState) 
   ASSERT_TRUE(back.ok());
   ASSERT_TRUE((*back)->BeginRun((*t)->run_id()).ok());
   ASSERT_TRUE((*back)->SetState(*kept).ok());
-  absl::Status retried = (*t)->RetryFailedStep();
-  for (int i = 0; i < 50 && absl::IsUnavailable(retried); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    retried = (*t)->RetryFailedStep();
-  }
+  const absl::Status retried = RetryWhileUnreachable(**t);
   ASSERT_TRUE(retried.ok()) << retried;
   EXPECT_FALSE((*t)->failed_step_retryable());
   for (int step = 1; step < 3; ++step) {
     auto r = (*t)->Step();
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->loss, losses[step]) << "step " << step + 1;
+    EXPECT_EQ(r->loss, losses_[step]) << "step " << step + 1;
   }
-  const auto want = AllParameters(**reference);
-  const auto got = AllParameters(**t);
-  ASSERT_EQ(want.size(), got.size());
-  for (const auto& [name, tensor] : want) {
-    ASSERT_TRUE(got.count(name)) << name;
-    EXPECT_TRUE(at::equal(got.at(name), tensor)) << name;
-  }
+  ExpectSameParameters(*reference_, **t);
 
   // Group 2 lost for good: its new process serves the seed's weights.
   cluster.Shutdown(2);
@@ -686,13 +719,56 @@ TEST(RemoteTrainingTest, AFailedStepRunsAgainInPlaceWhenEveryGroupKeptItsState) 
   ASSERT_FALSE(failed.ok());
   ASSERT_TRUE((*t)->failed_step_retryable());
   cluster.Restart(2);
-  absl::Status refused = (*t)->RetryFailedStep();
-  for (int i = 0; i < 50 && absl::IsUnavailable(refused); ++i) {  // the channel reconnecting
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    refused = (*t)->RetryFailedStep();
-  }
+  const absl::Status refused = RetryWhileUnreachable(**t);
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
   EXPECT_THAT(refused.message(), HasSubstr((*t)->run_id()));
+  EXPECT_FALSE((*t)->failed_step_retryable());
+}
+
+// A group restarted on its run state file (as a killed himoe-expert with
+// --run_state_file) serves the run again: the failed step runs again in place
+// and the run ends as an uninterrupted one. Restarted on a file older than the
+// trainer's last step, it is refused naming both steps.
+TEST_F(RetriedStepTest, AGroupRestartedOnItsRunStateFileRunsItAgain) {
+  const TrainerOptions& o = options_;
+
+  test_util::TempDir dir("trainer_run_state");
+  ExpertCluster cluster(o, /*shared_memory=*/false, dir.path());
+  auto t = Trainer::Create(cluster.Remote(o));
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE((*t)->Step().ok());
+  ASSERT_TRUE(cluster.server(2).FlushRunState().ok());
+  auto after_step_1 = ReadFileToString(cluster.run_state_file(2));
+  ASSERT_TRUE(after_step_1.ok()) << after_step_1.status();
+
+  cluster.Shutdown(2);
+  auto failed = (*t)->Step();
+  ASSERT_FALSE(failed.ok());
+  ASSERT_TRUE((*t)->failed_step_retryable());
+  cluster.Restart(2);  // a new server: only the file is left
+  ASSERT_EQ(cluster.server(2).restored_step(), std::optional<uint64_t>(1));
+  const absl::Status retried = RetryWhileUnreachable(**t);
+  ASSERT_TRUE(retried.ok()) << retried;
+  for (int step = 1; step < 3; ++step) {
+    auto r = (*t)->Step();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->loss, losses_[step]) << "step " << step + 1;
+  }
+  ExpectSameParameters(*reference_, **t);
+
+  // Back on the file of step 1 while the trainer is at step 3.
+  ASSERT_TRUE(cluster.server(2).FlushRunState().ok());
+  cluster.Shutdown(2);
+  failed = (*t)->Step();
+  ASSERT_FALSE(failed.ok());
+  ASSERT_TRUE((*t)->failed_step_retryable());
+  ASSERT_TRUE(WriteFileAtomically(cluster.run_state_file(2), *after_step_1).ok());
+  cluster.Restart(2);
+  ASSERT_EQ(cluster.server(2).restored_step(), std::optional<uint64_t>(1));
+  const absl::Status refused = RetryWhileUnreachable(**t);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("expert group 2 last applied step 1"));
+  EXPECT_THAT(refused.message(), HasSubstr("last step is 3"));
   EXPECT_FALSE((*t)->failed_step_retryable());
 }
 

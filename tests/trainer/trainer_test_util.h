@@ -62,13 +62,18 @@ inline std::string WriteCorpus(const TempDir& dir) {
 // 127.0.0.1:0, stopped on destruction; taking shared memory when asked.
 class ExpertCluster {
  public:
-  explicit ExpertCluster(const TrainerOptions& o, bool shared_memory = false) {
+  // With `run_state_dir`, group g keeps its run in <dir>/group<g>.run.
+  explicit ExpertCluster(const TrainerOptions& o, bool shared_memory = false,
+                         const std::string& run_state_dir = "") {
     for (int g = 0; g < o.model.routing.num_groups; ++g) {
       expert::ExpertServerOptions s;
       s.address = "127.0.0.1:0";
       s.core.shape = model::ExpertShapeFor(o.model);
       s.core.group_id = g;
       s.core.shared_memory = shared_memory;
+      if (!run_state_dir.empty()) {
+        s.run_state_file = run_state_dir + "/group" + std::to_string(g) + ".run";
+      }
       auto server = expert::ExpertServer::Start(s);
       EXPECT_TRUE(server.ok()) << server.status();
       if (!server.ok()) continue;
@@ -84,14 +89,17 @@ class ExpertCluster {
     servers_[g]->Wait();
   }
   // Starts group g again on its address, as a new process: the seed's
-  // weights, no run begun.
+  // weights, no run begun; or, with a run state file, the run it holds.
   void Restart(int g) {
+    servers_[g].reset();
     expert::ExpertServerOptions s = options_[g];
     s.address = addresses_[g];
     auto server = expert::ExpertServer::Start(s);
     ASSERT_TRUE(server.ok()) << server.status();
     servers_[g] = std::move(server).value();
   }
+  expert::ExpertServer& server(int g) { return *servers_[g]; }
+  const std::string& run_state_file(int g) const { return options_[g].run_state_file; }
   // `o` training on these services.
   TrainerOptions Remote(TrainerOptions o) const {
     o.remote_experts = true;
