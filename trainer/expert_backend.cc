@@ -415,9 +415,26 @@ class RemoteBackend final : public ExpertBackend {
   // Every group's Step call at once; the first error wins.
   absl::Status SendSteps(const std::vector<v1::ExpertStepRequest>& requests,
                          std::vector<v1::ExpertStepResponse>* responses) {
-    return expert::FanOut(clients_.size(), [&](size_t g, expert::ExpertGroupClient::Done done) {
-      clients_[g]->StepAsync(&requests[g], &(*responses)[g], Timed(g, "Step", std::move(done)));
-    });
+    return GroupFailureIfRunLost(
+        expert::FanOut(clients_.size(), [&](size_t g, expert::ExpertGroupClient::Done done) {
+          clients_[g]->StepAsync(&requests[g], &(*responses)[g], Timed(g, "Step", std::move(done)));
+        }));
+  }
+
+  // A training call is refused (FAILED_PRECONDITION) by a group serving
+  // another run than this one: replaced by another trainer, or a new process
+  // that serves none (restarted without a run state file). The latter is a
+  // group failure, recovered from the last checkpoint.
+  absl::Status GroupFailureIfRunLost(absl::Status s) {
+    if (!absl::IsFailedPrecondition(s) || options_.run_id.empty()) return s;
+    for (size_t g = 0; g < clients_.size(); ++g) {
+      const absl::StatusOr<v1::ExpertInfoResponse> info = clients_[g]->Info();
+      if (info.ok() && info->run_id().empty()) {
+        return absl::UnavailableError(absl::StrCat(s.message(), " (expert group ", g,
+                                                   " serves no run: restarted without its run)"));
+      }
+    }
+    return s;
   }
 
   // Wraps `done` to report the call's latency to options_.on_rpc.
@@ -575,16 +592,17 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendForward(
     HIMOE_PROFILE_SCOPE("expert RPC: wait");
     const auto start = std::chrono::steady_clock::now();
     std::vector<double> took(n);
-    HIMOE_RETURN_IF_ERROR(expert::FanOut(n, [&](size_t i, expert::ExpertGroupClient::Done done) {
-      const int group = call.groups[i];
-      clients_[group]->ForwardAsync(
-          &call.requests[i], &responses[i],
-          Timed(group, "Forward", [&took, i, start, done = std::move(done)](absl::Status s) {
-            took[i] =
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-            done(std::move(s));
-          }));
-    }));
+    HIMOE_RETURN_IF_ERROR(GroupFailureIfRunLost(
+        expert::FanOut(n, [&](size_t i, expert::ExpertGroupClient::Done done) {
+          const int group = call.groups[i];
+          clients_[group]->ForwardAsync(
+              &call.requests[i], &responses[i],
+              Timed(group, "Forward", [&took, i, start, done = std::move(done)](absl::Status s) {
+                took[i] =
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+                done(std::move(s));
+              }));
+        })));
     AddForwardWait(took);
   }
   HIMOE_PROFILE_SCOPE("expert RPC: decode");
@@ -639,11 +657,22 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
   }
   {
     HIMOE_PROFILE_SCOPE("expert RPC: wait");
-    HIMOE_RETURN_IF_ERROR(expert::FanOut(n, [&](size_t i, expert::ExpertGroupClient::Done done) {
-      const int group = call.groups[i];
-      clients_[group]->BackwardAsync(&requests[i], &responses[i],
-                                     Timed(group, "Backward", std::move(done)));
-    }));
+    const absl::Status sent =
+        expert::FanOut(n, [&](size_t i, expert::ExpertGroupClient::Done done) {
+          const int group = call.groups[i];
+          clients_[group]->BackwardAsync(&requests[i], &responses[i],
+                                         Timed(group, "Backward", std::move(done)));
+        });
+    // The group no longer holds the Forward: it restarted since (serving the
+    // run again from its run state file) or dropped it after its TTL. Nothing
+    // was applied, so the step can run again: a group failure.
+    if (absl::IsNotFound(sent)) {
+      return absl::UnavailableError(
+          absl::StrCat(sent.message(),
+                       " (the group lost the step's saved Forward: restarted since, or "
+                       "kept past --saved_state_ttl_s; the step can run again)"));
+    }
+    HIMOE_RETURN_IF_ERROR(GroupFailureIfRunLost(sent));
   }
   HIMOE_PROFILE_SCOPE("expert RPC: decode");
   std::vector<at::Tensor> row_grads, weight_grads;

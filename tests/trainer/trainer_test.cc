@@ -19,12 +19,14 @@
 #include <ATen/ATen.h>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/torch_runtime.h"
 #include "model/model_config.h"
 #include "tests/trainer/trainer_test_util.h"
 #include "trainer/expert_backend.h"
+#include "trainer/training_run.h"
 
 namespace himoe::trainer {
 namespace {
@@ -772,18 +774,17 @@ TEST_F(RetriedStepTest, AGroupRestartedOnItsRunStateFileRunsItAgain) {
   EXPECT_FALSE((*t)->failed_step_retryable());
 }
 
-// A group lost between Forward and Backward: the error thrown inside the
-// autograd engine's backward comes out as UNAVAILABLE naming the group, not
-// as an INTERNAL "torch error".
-TEST(RemoteTrainingTest, GroupLostBeforeBackwardStaysUnavailable) {
-  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
-  ExpertCluster cluster(o);
+// One training Forward of layer 0, step 1 through a remote backend on
+// `cluster`: 3 rows to each group's first expert.
+void TrainingForward(const TrainerOptions& o, const ExpertCluster& cluster,
+                     std::unique_ptr<ExpertBackend>* backend, std::vector<at::Tensor>* out) {
   ExpertBackendOptions bo;
   bo.shape = model::ExpertShapeFor(o.model);
   bo.addresses = cluster.addresses();
   bo.deadline = std::chrono::milliseconds(5000);
-  auto backend = CreateRemoteBackend(bo);
-  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto created = CreateRemoteBackend(bo);
+  ASSERT_TRUE(created.ok()) << created.status();
+  *backend = std::move(created).value();
   const int per_group = bo.shape.num_experts() / bo.shape.num_groups();
   std::vector<GroupRows> groups(bo.shape.num_groups());
   for (int g = 0; g < bo.shape.num_groups(); ++g) {
@@ -792,18 +793,85 @@ TEST(RemoteTrainingTest, GroupLostBeforeBackwardStaysUnavailable) {
     groups[g].expert_ids = at::full({3}, g * per_group, at::kLong);
     groups[g].weights = at::ones({3}).requires_grad_();
   }
-  auto out = (*backend)->Forward(/*layer=*/0, /*step=*/1, /*micro_batch=*/0, groups,
-                                 /*training=*/true);
-  ASSERT_TRUE(out.ok()) << out.status();
-  cluster.Shutdown(1);
-  const absl::Status s = CatchTorchErrors([&] {
+  auto y = (*backend)->Forward(/*layer=*/0, /*step=*/1, /*micro_batch=*/0, groups,
+                               /*training=*/true);
+  ASSERT_TRUE(y.ok()) << y.status();
+  *out = std::move(y).value();
+}
+
+// The backward pass of the sum of `out`.
+absl::Status BackwardOf(const std::vector<at::Tensor>& out) {
+  return CatchTorchErrors([&] {
     at::Tensor loss = at::zeros({});
-    for (const at::Tensor& y : *out) loss = loss + y.sum();
+    for (const at::Tensor& y : out) loss = loss + y.sum();
     loss.backward();
     return absl::OkStatus();
   });
+}
+
+// A group lost between Forward and Backward: the error thrown inside the
+// autograd engine's backward comes out as UNAVAILABLE naming the group, not
+// as an INTERNAL "torch error".
+TEST(RemoteTrainingTest, GroupLostBeforeBackwardStaysUnavailable) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster cluster(o);
+  std::unique_ptr<ExpertBackend> backend;
+  std::vector<at::Tensor> out;
+  ASSERT_NO_FATAL_FAILURE(TrainingForward(o, cluster, &backend, &out));
+  cluster.Shutdown(1);
+  const absl::Status s = BackwardOf(out);
   EXPECT_TRUE(absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) << s;
   EXPECT_THAT(s.message(), HasSubstr("expert group 1"));
+}
+
+// A group restarted between a step's Forward and its Backward (its new
+// process serving the run again) no longer holds the saved Forward: the
+// Backward is UNAVAILABLE naming the group, a failure the step recovers from,
+// not the group's NOT_FOUND.
+TEST(RemoteTrainingTest, ABackwardWhoseForwardTheGroupLostIsUnavailable) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster cluster(o);
+  std::unique_ptr<ExpertBackend> backend;
+  std::vector<at::Tensor> out;
+  ASSERT_NO_FATAL_FAILURE(TrainingForward(o, cluster, &backend, &out));
+  cluster.Restart(1);
+  // Every group answers again (the channel to group 1 reconnected).
+  absl::Status back = backend->CheckLastApplied(0);
+  for (int i = 0; i < 50 && absl::IsUnavailable(back); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    back = backend->CheckLastApplied(0);
+  }
+  ASSERT_TRUE(back.ok()) << back;
+  const absl::Status s = BackwardOf(out);
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("expert group 1"));
+  EXPECT_THAT(s.message(), HasSubstr("lost the step's saved Forward"));
+}
+
+// A group restarted without a run state file serves no run: the next step's
+// calls it refuses are a group failure (UNAVAILABLE naming it), which the
+// trainer recovers from a checkpoint, not the end of the run.
+TEST(RemoteTrainingTest, AGroupThatLostTheRunIsAGroupFailure) {
+  TrainerOptions o = SmallOptions(router::RoutingMethod::kHiMoe);
+  ExpertCluster cluster(o);
+  auto t = Trainer::Create(cluster.Remote(o));
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE((*t)->Step().ok());
+  cluster.Restart(3);
+  absl::StatusOr<StepResult> failed = (*t)->Step();
+  for (int i = 0; i < 50 && !failed.ok() &&
+                  absl::StrContains(failed.status().message(),
+                                    "unreachable");
+       ++i) {  // the channel reconnecting
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_TRUE((*t)->failed_step_retryable());
+    failed = (*t)->Step();
+  }
+  ASSERT_FALSE(failed.ok());
+  EXPECT_TRUE(absl::IsUnavailable(failed.status())) << failed.status();
+  EXPECT_THAT(failed.status().message(), HasSubstr("expert group 3 serves no run"));
+  EXPECT_TRUE(IsGroupFailure(failed.status()));
+  EXPECT_EQ((*t)->step(), 1);
 }
 
 // The Info handshake compares the whole expert shape: services built from
