@@ -245,10 +245,11 @@ absl::Status ExpertGroupClient::CheckInfo(const v1::ExpertShape& expected,
                           absl::StrCat(where, " (group ", options_.group_id, ")"));
 }
 
-absl::StatusOr<v1::ExpertAbortResponse> ExpertGroupClient::Abort(uint64_t step,
-                                                                 const std::string& run_id) {
+absl::StatusOr<v1::ExpertAbortResponse> ExpertGroupClient::Abort(
+    uint64_t step, const std::string& run_id, std::chrono::milliseconds deadline) {
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  context.set_deadline(std::chrono::system_clock::now() +
+                       (deadline.count() > 0 ? deadline : options_.deadline));
   v1::ExpertAbortRequest request;
   request.set_step(step);
   request.set_run_id(run_id);
@@ -256,6 +257,10 @@ absl::StatusOr<v1::ExpertAbortResponse> ExpertGroupClient::Abort(uint64_t step,
   const grpc::Status status = stubs_[0]->Abort(&context, request, &response);
   if (!status.ok()) return Named(status, 0);
   return response;
+}
+
+bool ExpertGroupClient::Connected() const {
+  return channels_[0]->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_READY;
 }
 
 absl::StatusOr<v1::BeginRunResponse> ExpertGroupClient::BeginRun(const std::string& run_id,

@@ -67,7 +67,12 @@ class ExpertGroupClient {
 
   // Blocking calls (first address; Info fails over).
   absl::StatusOr<v1::ExpertInfoResponse> Info();
-  absl::StatusOr<v1::ExpertAbortResponse> Abort(uint64_t step, const std::string& run_id = "");
+  // `deadline`: for this call (0 = the client's).
+  absl::StatusOr<v1::ExpertAbortResponse> Abort(
+      uint64_t step, const std::string& run_id = "",
+      std::chrono::milliseconds deadline = std::chrono::milliseconds(0));
+  // Whether the first address has a connection up now (no call is made).
+  bool Connected() const;
   absl::StatusOr<v1::BeginRunResponse> BeginRun(const std::string& run_id, bool take_over = false,
                                                 int world_size = 1);
   // The group's state (ExpertServiceCore::GetState names), streamed in chunks.

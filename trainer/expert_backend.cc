@@ -129,6 +129,8 @@ class InProcessBackend final : public ExpertBackend {
     return absl::OkStatus();
   }
 
+  void AbortWhereReachable(uint64_t step) override { Abort(step).IgnoreError(); }
+
   absl::Status CheckLastApplied(uint64_t step) override {
     for (size_t g = 0; g < optimizers_.size(); ++g) {
       HIMOE_RETURN_IF_ERROR(LastAppliedIs(g, optimizers_[g]->last_applied_step(), step));
@@ -334,16 +336,29 @@ class RemoteBackend final : public ExpertBackend {
     return absl::OkStatus();
   }
 
-  absl::Status Abort(uint64_t step) override {
+  absl::Status Abort(uint64_t step) override { return AbortOn(step, /*reachable_only=*/false); }
+
+  void AbortWhereReachable(uint64_t step) override {
+    AbortOn(step, /*reachable_only=*/true).IgnoreError();
+  }
+
+  absl::Status AbortOn(uint64_t step, bool reachable_only) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto it = calls_.begin(); it != calls_.end();) {
         it = it->second->step == step ? calls_.erase(it) : std::next(it);
       }
     }
+    // A group that stalls with its connection still up answers a cleanup
+    // Abort no sooner than its keepalive fails: not waited for either.
+    constexpr std::chrono::milliseconds kCleanupDeadline(250);
     absl::Status first;
     for (const auto& c : clients_) {
-      const absl::Status s = c->Abort(step, options_.run_id).status();
+      if (reachable_only && !c->Connected()) continue;
+      const absl::Status s =
+          c->Abort(step, options_.run_id,
+                   reachable_only ? kCleanupDeadline : std::chrono::milliseconds(0))
+              .status();
       if (!s.ok() && first.ok()) first = s;
     }
     return first;

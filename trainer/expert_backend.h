@@ -82,6 +82,10 @@ class ExpertBackend {
   virtual absl::Status Step(uint64_t step, const AdamWHyper& hyper, double grad_scale) = 0;
   // Drops whatever a failed step left behind.
   virtual absl::Status Abort(uint64_t step) = 0;
+  // Abort on the groups reachable now, at once after a failure: one whose
+  // connection is down is not waited for (the recovery aborts the step there
+  // once it serves again; otherwise its saved state expires).
+  virtual void AbortWhereReachable(uint64_t step) = 0;
   // OK if every group serves this run with `step` as its last applied step;
   // FAILED_PRECONDITION naming a group that does not (one restarted on a run
   // state file written before its last step).

@@ -468,7 +468,7 @@ absl::StatusOr<StepResult> Trainer::Step() {
   });
   if (!status.ok()) {
     // Free whatever the services saved for this step; keep the first error.
-    experts_->Abort(step).IgnoreError();
+    experts_->AbortWhereReachable(step);
     CatchTorchErrors([&] {
       at::NoGradGuard no_grad;
       for (auto& [live, saved] : router_state) live.copy_(saved);

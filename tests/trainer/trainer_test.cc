@@ -651,6 +651,18 @@ TEST(RemoteTrainingTest, UnreachableGroupFailsTheStepAsUnavailable) {
       << r.status();
   EXPECT_THAT(r.status().message(), HasSubstr("expert group 2"));
   EXPECT_EQ((*t)->step(), 1);
+  // The failed step's cleanup freed what the reachable groups saved of it,
+  // without waiting for group 2.
+  for (int g : {0, 1, 3}) {
+    expert::ExpertGroupClientOptions go;
+    go.group_id = g;
+    go.addresses = {cluster.addresses()[g]};
+    auto client = expert::ExpertGroupClient::Create(go);
+    ASSERT_TRUE(client.ok());
+    auto info = (*client)->Info();
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->pending_saved(), 0) << "group " << g;
+  }
 }
 
 // The uninterrupted run a retried one must equal: 3 steps on 4 remote groups.
