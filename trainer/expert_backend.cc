@@ -5,6 +5,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include <glog/logging.h>
 #include <ATen/ATen.h>
@@ -350,18 +351,24 @@ class RemoteBackend final : public ExpertBackend {
       }
     }
     // A group that stalls with its connection still up answers a cleanup
-    // Abort no sooner than its keepalive fails: not waited for either.
+    // Abort no sooner than its keepalive fails: not waited for either. Every
+    // group at once.
     constexpr std::chrono::milliseconds kCleanupDeadline(250);
-    absl::Status first;
-    for (const auto& c : clients_) {
-      if (reachable_only && !c->Connected()) continue;
-      const absl::Status s =
-          c->Abort(step, options_.run_id,
-                   reachable_only ? kCleanupDeadline : std::chrono::milliseconds(0))
-              .status();
-      if (!s.ok() && first.ok()) first = s;
+    const std::chrono::milliseconds deadline =
+        reachable_only ? kCleanupDeadline : std::chrono::milliseconds(0);
+    std::vector<absl::Status> statuses(clients_.size());
+    std::vector<std::thread> threads;
+    for (size_t g = 0; g < clients_.size(); ++g) {
+      if (reachable_only && !clients_[g]->Connected()) continue;
+      threads.emplace_back([this, g, step, deadline, &statuses] {
+        statuses[g] = clients_[g]->Abort(step, options_.run_id, deadline).status();
+      });
     }
-    return first;
+    for (std::thread& t : threads) t.join();
+    for (const absl::Status& s : statuses) {
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
   }
 
   absl::Status CheckLastApplied(uint64_t step) override {
