@@ -24,7 +24,8 @@ trigger (train: a step; serve: seconds of load); faults that share a
 trigger overlap. Faults:
 
   expert_kill, expert_term   SIGKILL / SIGTERM an expert process; it is started
-                             again on its address after the duration
+                             again on its address after the duration (train:
+                             on its --run_state_file, unless --run_state 0)
   expert_stop                SIGSTOP an expert process, SIGCONT after it
   trainer_kill, trainer_term SIGKILL / SIGTERM the trainer; it is started again
                              with --resume (as a Job controller would)

@@ -497,10 +497,9 @@ absl::Status Trainer::RetryFailedStep() {
   if (!retry_.has_value()) {
     return absl::FailedPreconditionError("no failed step to run again");
   }
-  // Abort is refused by a group that serves another run or none: one
-  // restarted since, its weights lost.
-  // A group restarted on a run state file serves this run again, but must
-  // be at the trainer's last step.
+  // Abort is refused by a group that serves another run or none (restarted
+  // since, its weights lost); one restarted on its run state file serves
+  // this run again, but must be at the trainer's last step.
   absl::Status kept = experts_->Abort(retry_->step);
   if (kept.ok()) kept = experts_->CheckLastApplied(static_cast<uint64_t>(step_));
   if (!kept.ok()) {

@@ -98,9 +98,9 @@ struct ExpertSite {
 };
 
 // The one builder of a himoe-expert service: the command line (the shape's
-// flags, device, threads, port file, metrics, shared memory, max_tokens,
-// TLS, run state file), its files, and the readiness probe (Info answers as the group, with
-// `options.shape`). `binary` is argv[0].
+// flags, device, threads, port file, metrics, shared memory, run state file,
+// max_tokens, TLS), its files, and the readiness probe (Info answers as the
+// group, with `options.shape`). `binary` is argv[0].
 ServiceSpec ExpertServiceSpec(const std::string& binary, const ExpertProcessOptions& options,
                               const ExpertSite& site);
 
