@@ -149,7 +149,7 @@ ABSL_FLAG(bool, group_run_state, false,
           "<out_dir>/experts/expert-<g>.run (himoe-expert --run_state_file, rewritten after "
           "every step), so a group restarted after it died serves the run again and the failed "
           "step runs again in place; costs a copy and a write of each group's weights and AdamW "
-          "state a step");
+          "state a step (docs/benchmarks.md)");
 ABSL_FLAG(int, group_wait_s, 300,
           "wait_and_resume: seconds to wait for the groups to serve again");
 ABSL_FLAG(int, group_keepalive_ms, 2000,
