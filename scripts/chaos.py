@@ -55,6 +55,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hostinfo import cpu_model, rss_mib  # noqa: E402
+from proc_util import stop_processes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERT_PORT = 50091
@@ -160,21 +161,6 @@ def start_service(bed, ns, name, argv, timeout=60):
             sys.exit(f"chaos: {name} did not serve (exit {p.poll()}); see {bed.work}/{name}.log")
         time.sleep(0.02)
     return p
-
-
-def stop_processes(procs):
-    """SIGTERM (after SIGCONT) to each running process; SIGKILL after 15 s."""
-    procs = list(procs)
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGCONT)
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 class Experts:

@@ -24,7 +24,6 @@ import datetime
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import time
 import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from proc_util import stop_processes  # noqa: E402
 from soak import ROOT, stubs, wait_port_file  # noqa: E402
 
 PROMPT = b"The fortune says"  # 16 bytes, as generate_bench.cc's shortest contexts
@@ -178,14 +178,7 @@ def main():
             full, full_tps = tokens(recompute_stub, kv_prompt, a.kv_new_tokens)
             kv_rows.append((full_tps, kv_tps, cached == full))
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs, grace_s=20)
     shutil.rmtree(work, ignore_errors=True)
 
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")

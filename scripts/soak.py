@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hostinfo  # noqa: E402
+from proc_util import stop_processes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -151,14 +152,7 @@ def main():
             t.join()
         rss_end = {name: rss_mib(p.pid) for name, p in procs.items()}
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs.values(), grace_s=10)
 
     codes = collections.Counter(c for _, _, c in results)
     ok_all = sorted(l for _, l, c in results if c == "OK")

@@ -31,6 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loopback_ports import free_ports  # noqa: E402
+from proc_util import stop_processes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERT_FLAGS = ["--group_id=0", "--num_groups=4", "--num_experts=8", "--num_layers=2",
@@ -46,15 +47,6 @@ def wait_for(predicate, proc, what, timeout=120):
             sys.exit(f"startup bench: {proc.args[0]} exited with {proc.returncode} before {what}")
         time.sleep(0.002)
     sys.exit(f"startup bench: no {what} after {timeout} s")
-
-
-def stop(proc):
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def phases(log_text):
@@ -86,7 +78,7 @@ def time_expert(build, work, cache_dir, extra):
         wait_for(lambda: os.path.exists(port_file) and os.path.getsize(port_file) > 0, proc,
                  "port file")
         seconds = time.monotonic() - start
-    stop(proc)
+    stop_processes([proc], grace_s=30)
     text = open(log_path).read()
     return seconds, phases(text), kernels(text)
 
