@@ -4,12 +4,14 @@
 #include <mutex>
 #include <utility>
 
+#include <glog/logging.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/countdown.h"
 #include "common/expert_shape.h"
 #include "common/status_macros.h"
@@ -19,12 +21,17 @@
 
 namespace himoe::expert {
 
-// Counts the contexts alive (calls_in_flight()).
+// Counts the contexts alive (calls_in_flight()); the client's destructor
+// waits for the count to reach 0.
 struct ContextDeleter {
   std::atomic<int>* live;
+  std::mutex* mu;
+  std::condition_variable* released;
   void operator()(grpc::ClientContext* context) const {
     delete context;
+    std::lock_guard<std::mutex> lock(*mu);
     live->fetch_sub(1, std::memory_order_relaxed);
+    released->notify_all();
   }
 };
 
@@ -32,13 +39,43 @@ struct ExpertGroupClient::Call {
   Start start;
   bool failover = true;
   Done done;
+  // Moves the answer the call received into the caller's message (null: none).
+  std::function<void()> deliver;
   size_t replica = 0;
   ExpertGroupClient::Deadline deadline = ExpertGroupClient::Deadline::max();
   // Checks an OK answer from replica `replica` (null: none).
   std::function<absl::Status(size_t replica)> check;
   std::unique_ptr<grpc::ClientContext, ContextDeleter> context;
   std::string errors;  // of replicas tried so far
+  // The attempt's number and start in attempts_, why the liveness check
+  // cancelled it (empty: it did not), and whether `done` ran or is about to
+  // (the liveness check reports a stalled call without waiting for gRPC to
+  // give it back: a call whose bytes are stuck in a stalled connection's
+  // write completes only when the connection fails). Guarded by live_mu_.
+  uint64_t attempt = 0;
+  std::chrono::steady_clock::time_point started;
+  std::string stalled;
+  bool reported = false;
 };
+
+// One health check in flight to a replica.
+struct ExpertGroupClient::Probe {
+  // Released (with its reference to the channel) before the probe is
+  // forgotten, as a call's context is before its `done`.
+  std::unique_ptr<grpc::ClientContext> context = std::make_unique<grpc::ClientContext>();
+  // grpc.health.v1.HealthCheckRequest{service: ""}: no bytes (one empty slice;
+  // a default ByteBuffer is no message at all).
+  grpc::Slice no_bytes;
+  grpc::ByteBuffer request{&no_bytes, 1};
+  grpc::ByteBuffer response;
+  std::chrono::steady_clock::time_point sent;
+};
+
+namespace {
+
+constexpr char kHealthCheck[] = "/grpc.health.v1.Health/Check";
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ExpertGroupClient>> ExpertGroupClient::Create(
     const ExpertGroupClientOptions& options) {
@@ -68,29 +105,127 @@ absl::StatusOr<std::unique_ptr<ExpertGroupClient>> ExpertGroupClient::Create(
     auto channel =
         grpc::CreateCustomChannel(address, credentials, args);
     client->stubs_.push_back(v1::ExpertService::NewStub(channel));
+    client->health_stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
     client->channels_.push_back(std::move(channel));
   }
+  client->probes_.resize(options.addresses.size());
+  client->silent_.resize(options.addresses.size(), false);
+  if (options.liveness_check.count() > 0) {
+    client->watcher_ = std::thread([c = client.get()] { c->WatchLiveness(); });
+  }
   return client;
+}
+
+ExpertGroupClient::~ExpertGroupClient() {
+  std::unique_lock<std::mutex> lock(live_mu_);
+  stopping_ = true;
+  live_cv_.notify_all();
+  for (const auto& probe : probes_) {
+    if (probe != nullptr) probe->context->TryCancel();
+  }
+  // A call the liveness check reported may still be held by gRPC until its
+  // connection fails (keepalive's TCP user time-out).
+  live_cv_.wait(lock, [&] {
+    return calls_in_flight_.load(std::memory_order_relaxed) == 0 &&
+           std::none_of(probes_.begin(), probes_.end(), [](const auto& p) { return p != nullptr; });
+  });
+  lock.unlock();
+  if (watcher_.joinable()) watcher_.join();
+}
+
+void ExpertGroupClient::WatchLiveness() {
+  const auto period = options_.liveness_check;
+  std::unique_lock<std::mutex> lock(live_mu_);
+  while (!live_cv_.wait_for(lock, period / 4, [&] { return stopping_; })) {
+    const auto now = std::chrono::steady_clock::now();
+    std::vector<bool> overdue(channels_.size(), false);
+    // A call to a group that left its last check unanswered is checked at
+    // once: a step's later calls to a stalled group are found as soon.
+    for (const auto& [number, call] : attempts_) {
+      if (silent_[call->replica] || now - call->started >= period) overdue[call->replica] = true;
+    }
+    for (size_t r = 0; r < overdue.size(); ++r) {
+      if (overdue[r] && probes_[r] == nullptr) StartProbe(r);
+    }
+  }
+}
+
+// Called with live_mu_ held.
+void ExpertGroupClient::StartProbe(size_t replica) {
+  auto probe = std::make_shared<Probe>();
+  probe->sent = std::chrono::steady_clock::now();
+  probe->context->set_deadline(std::chrono::system_clock::now() + options_.liveness_check);
+  probes_[replica] = probe;
+  // The callback runs on a gRPC thread, never inside this call.
+  health_stubs_[replica]->UnaryCall(
+      probe->context.get(), kHealthCheck, grpc::StubOptions(), &probe->request, &probe->response,
+      [this, replica, probe](grpc::Status status) {
+        std::vector<std::pair<Done, absl::Status>> report;
+        std::unique_lock<std::mutex> lock(live_mu_);
+        // Any answer, NOT_SERVING while it drains or an error, is
+        // from a live process; no answer in time is the failure.
+        const bool silent = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+        const bool was_silent = silent_[replica];
+        silent_[replica] = silent;
+        if (silent && !stopping_) {
+          const double waited =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - probe->sent).count();
+          const std::string why = absl::StrFormat(
+              "no answer to a health check within %.2f s while a call was in flight "
+              "(a stopped process, or a cut or stalled link)",
+              waited);
+          int cancelled = 0;
+          for (auto& [number, call] : attempts_) {
+            if (call->replica != replica || !call->stalled.empty()) continue;
+            call->stalled = why;
+            liveness_failures_.fetch_add(1, std::memory_order_relaxed);
+            call->context->TryCancel();
+            ++cancelled;
+            // With no replica left to try, the caller hears of it now.
+            if (!call->reported && !(call->failover && call->replica + 1 < stubs_.size())) {
+              call->reported = true;
+              report.emplace_back(
+                  call->done, absl::UnavailableError(
+                                  absl::StrCat("expert group ", options_.group_id, " unreachable (",
+                                               call->errors, call->errors.empty() ? "" : "; ",
+                                               options_.addresses[replica], ": ", why, ")")));
+            }
+          }
+          if (cancelled > 0 || !was_silent) {
+            LOG(WARNING) << "expert group " << options_.group_id << " at "
+                         << options_.addresses[replica] << ": " << why << "; " << cancelled
+                         << " calls cancelled";
+          }
+        }
+        probe->context.reset();
+        probes_[replica] = nullptr;
+        live_cv_.notify_all();
+        lock.unlock();
+        for (auto& [done, failed] : report) done(std::move(failed));
+      });
 }
 
 void ExpertGroupClient::ForwardAsync(const v1::ExpertForwardRequest* request,
                                      v1::ExpertForwardResponse* response, Done done,
                                      Deadline deadline) {
   auto call = std::make_shared<Call>();
-  call->start = [this, request, response](v1::ExpertService::Stub* stub,
-                                          grpc::ClientContext* context,
-                                          std::function<void(grpc::Status)> on_status) {
-    response->Clear();
+  // The call receives into its own message, handed over in `deliver`: a
+  // call reported before gRPC gave it back must not write the caller's.
+  auto answer = std::make_shared<v1::ExpertForwardResponse>();
+  call->start = [this, request, answer](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
+                                        std::function<void(grpc::Status)> on_status) {
+    answer->Clear();
     rows_sent_.fetch_add(RowBytes(*request), std::memory_order_relaxed);
-    stub->async()->Forward(context, request, response,
-                           [this, response, on_status = std::move(on_status)](grpc::Status s) {
+    stub->async()->Forward(context, request, answer.get(),
+                           [this, answer, on_status = std::move(on_status)](grpc::Status s) {
                              if (s.ok()) {
-                               rows_received_.fetch_add(RowBytes(*response),
+                               rows_received_.fetch_add(RowBytes(*answer),
                                                         std::memory_order_relaxed);
                              }
                              on_status(std::move(s));
                            });
   };
+  call->deliver = [answer, response] { response->Swap(answer.get()); };
   call->failover = true;
   call->done = std::move(done);
   call->deadline = deadline;
@@ -128,48 +263,72 @@ std::string ExpertGroupClient::pinned_weights(size_t replica) const {
 
 void ExpertGroupClient::BackwardAsync(const v1::ExpertBackwardRequest* request,
                                       v1::ExpertBackwardResponse* response, Done done) {
+  auto answer = std::make_shared<v1::ExpertBackwardResponse>();
   StartCall(
-      [this, request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
-                                std::function<void(grpc::Status)> on_status) {
+      [this, request, answer](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
+                              std::function<void(grpc::Status)> on_status) {
+        answer->Clear();
         rows_sent_.fetch_add(RowBytes(*request), std::memory_order_relaxed);
-        stub->async()->Backward(context, request, response,
-                                [this, response, on_status = std::move(on_status)](grpc::Status s) {
+        stub->async()->Backward(context, request, answer.get(),
+                                [this, answer, on_status = std::move(on_status)](grpc::Status s) {
                                   if (s.ok()) {
-                                    rows_received_.fetch_add(RowBytes(*response),
+                                    rows_received_.fetch_add(RowBytes(*answer),
                                                              std::memory_order_relaxed);
                                   }
                                   on_status(std::move(s));
                                 });
       },
-      /*failover=*/false, std::move(done));
+      /*failover=*/false, std::move(done), [answer, response] { response->Swap(answer.get()); });
 }
 
 void ExpertGroupClient::StepAsync(const v1::ExpertStepRequest* request,
                                   v1::ExpertStepResponse* response, Done done) {
+  auto answer = std::make_shared<v1::ExpertStepResponse>();
   StartCall(
-      [request, response](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
-                          std::function<void(grpc::Status)> on_status) {
-        stub->async()->Step(context, request, response, std::move(on_status));
+      [request, answer](v1::ExpertService::Stub* stub, grpc::ClientContext* context,
+                        std::function<void(grpc::Status)> on_status) {
+        answer->Clear();
+        stub->async()->Step(context, request, answer.get(), std::move(on_status));
       },
-      /*failover=*/false, std::move(done));
+      /*failover=*/false, std::move(done), [answer, response] { response->Swap(answer.get()); });
 }
 
-void ExpertGroupClient::StartCall(Start start, bool failover, Done done, Deadline deadline) {
+void ExpertGroupClient::StartCall(Start start, bool failover, Done done,
+                                  std::function<void()> deliver) {
   auto call = std::make_shared<Call>();
   call->start = std::move(start);
   call->failover = failover;
   call->done = std::move(done);
-  call->deadline = deadline;
+  call->deliver = std::move(deliver);
   Attempt(std::move(call));
 }
 
 void ExpertGroupClient::Attempt(std::shared_ptr<Call> call) {
   calls_in_flight_.fetch_add(1, std::memory_order_relaxed);
   call->context = std::unique_ptr<grpc::ClientContext, ContextDeleter>(
-      new grpc::ClientContext, ContextDeleter{&calls_in_flight_});
+      new grpc::ClientContext, ContextDeleter{&calls_in_flight_, &live_mu_, &live_cv_});
   call->context->set_deadline(
       std::min(call->deadline, std::chrono::system_clock::now() + options_.deadline));
+  if (options_.liveness_check.count() > 0) {
+    std::lock_guard<std::mutex> lock(live_mu_);
+    call->attempt = next_attempt_++;
+    call->started = std::chrono::steady_clock::now();
+    call->stalled.clear();
+    call->reported = false;
+    attempts_[call->attempt] = call.get();
+  }
   call->start(stubs_[call->replica].get(), call->context.get(), [this, call](grpc::Status status) {
+    bool reported = false;
+    if (options_.liveness_check.count() > 0) {
+      std::lock_guard<std::mutex> lock(live_mu_);
+      attempts_.erase(call->attempt);
+      if (!call->stalled.empty() && status.error_code() == grpc::StatusCode::CANCELLED) {
+        status = grpc::Status(grpc::StatusCode::UNAVAILABLE, call->stalled);
+      }
+      if (status.ok()) silent_[call->replica] = false;
+      reported = call->reported;
+      call->reported = true;  // from here on this completion reports it
+    }
     // The context holds a reference to the channel. Released before `done`,
     // it cannot be the channel's last: otherwise a client destroyed as soon
     // as `done` returns leaves the channel to die here, on gRPC's callback
@@ -177,14 +336,17 @@ void ExpertGroupClient::Attempt(std::shared_ptr<Call> call) {
     // when it was the last one using it: the intermittent "double free" at
     // the trainer's exit.
     call->context.reset();
+    if (reported) return;  // the liveness check reported it
     if (status.ok()) {
+      if (call->deliver) call->deliver();
       call->done(call->check ? call->check(call->replica) : absl::OkStatus());
       return;
     }
     absl::StrAppend(&call->errors, call->errors.empty() ? "" : "; ",
                     options_.addresses[call->replica], ": ", status.error_message());
-    // This client never cancels a call: a CANCELLED one was cancelled by the
-    // group, shutting down, and is as lost as an unreachable one.
+    // This client cancels a call only for its liveness check (UNAVAILABLE by
+    // now): a CANCELLED one was cancelled by the group, shutting down, and is
+    // as lost as an unreachable one.
     const bool cancelled = status.error_code() == grpc::StatusCode::CANCELLED;
     const bool retriable = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
                            status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED || cancelled;
@@ -222,6 +384,7 @@ absl::StatusOr<v1::ExpertInfoResponse> ExpertGroupClient::InfoFrom(size_t* repli
     const grpc::Status status = stubs_[r]->Info(&context, v1::ExpertInfoRequest(), &response);
     if (status.ok()) {
       *replica = r;
+      Answered(r);
       return response;
     }
     absl::StrAppend(&errors, errors.empty() ? "" : "; ", options_.addresses[r], ": ",
@@ -256,10 +419,20 @@ absl::StatusOr<v1::ExpertAbortResponse> ExpertGroupClient::Abort(
   v1::ExpertAbortResponse response;
   const grpc::Status status = stubs_[0]->Abort(&context, request, &response);
   if (!status.ok()) return Named(status, 0);
+  Answered(0);
   return response;
 }
 
+void ExpertGroupClient::Answered(size_t replica) {
+  std::lock_guard<std::mutex> lock(live_mu_);
+  silent_[replica] = false;
+}
+
 bool ExpertGroupClient::Connected() const {
+  {
+    std::lock_guard<std::mutex> lock(live_mu_);
+    if (silent_[0]) return false;
+  }
   return channels_[0]->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_READY;
 }
 

@@ -3,14 +3,18 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/channel.h>
+#include <grpcpp/generic/generic_stub.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -37,6 +41,15 @@ struct ExpertGroupClientOptions {
   // with UNAVAILABLE (a stopped process, a cut or stalled link). 0 = off: a
   // hung group is found by the calls' deadline alone.
   std::chrono::milliseconds keepalive{0};
+  // > 0: once a call has been in flight this long, the group's health
+  // service (answered by gRPC, never queued behind the experts' work) is
+  // asked, with this deadline, whether the process still answers; if it
+  // does not, every call in flight to that address is cancelled and fails
+  // UNAVAILABLE naming the group. A keepalive ping waits to be written
+  // behind a stalled transfer, and TCP waits out its retransmission
+  // time-outs; this check bounds the time to find a stopped process or a
+  // cut or stalled link at about twice the period. 0 = off.
+  std::chrono::milliseconds liveness_check{0};
 };
 
 // Client of one expert group (and its replicas). Calls are asynchronous
@@ -48,11 +61,13 @@ class ExpertGroupClient {
  public:
   static absl::StatusOr<std::unique_ptr<ExpertGroupClient>> Create(
       const ExpertGroupClientOptions& options);
+  ~ExpertGroupClient();
 
   using Done = std::function<void(absl::Status)>;
   using Deadline = std::chrono::system_clock::time_point;
-  // Start a call; `done` runs once, on a gRPC thread. `request` and
-  // `response` must outlive the call. Forward fails over to replicas; the
+  // Start a call; `done` runs once, on a gRPC thread. `request` must stay
+  // valid until `done` (a failover sends it again), `response` gets the
+  // answer just before it. Forward fails over to replicas; the
   // training calls (Backward, Step, Abort) stay on the first address, which
   // holds the saved activations and the optimizer.
   // Each attempt's deadline is options.deadline from its start, or
@@ -71,7 +86,9 @@ class ExpertGroupClient {
   absl::StatusOr<v1::ExpertAbortResponse> Abort(
       uint64_t step, const std::string& run_id = "",
       std::chrono::milliseconds deadline = std::chrono::milliseconds(0));
-  // Whether the first address has a connection up now (no call is made).
+  // Whether the first address has a connection up now (no call is made) and,
+  // with the liveness check, did not leave its last health check unanswered
+  // (since when nothing it answered came back).
   bool Connected() const;
   absl::StatusOr<v1::BeginRunResponse> BeginRun(const std::string& run_id, bool take_over = false,
                                                 int world_size = 1);
@@ -106,6 +123,8 @@ class ExpertGroupClient {
   // reference to the channel it holds) before its `done` runs, so this is 0
   // when the last `done` runs, and the client may be destroyed right after
   // it (not from inside a `done`: the channels would die on gRPC's thread).
+  // A call the liveness check failed is reported at once and given back by
+  // gRPC when its connection fails; the destructor waits for that.
   int calls_in_flight() const { return calls_in_flight_.load(std::memory_order_relaxed); }
 
   // The bytes of the rows, outputs and gradients (RowBytes) Forward and
@@ -122,9 +141,14 @@ class ExpertGroupClient {
 
   int group_id() const { return options_.group_id; }
   const std::vector<std::string>& addresses() const { return options_.addresses; }
+  // Calls the liveness check failed (options.liveness_check), since creation.
+  int64_t calls_failed_by_liveness_check() const {
+    return liveness_failures_.load(std::memory_order_relaxed);
+  }
 
  private:
   struct Call;
+  struct Probe;
   // Issues the RPC on a stub with a fresh context; `on_status` gets its status.
   using Start = std::function<void(v1::ExpertService::Stub*, grpc::ClientContext*,
                                    std::function<void(grpc::Status)>)>;
@@ -135,21 +159,41 @@ class ExpertGroupClient {
   absl::Status CheckWeights(size_t replica, const std::string& served);
   absl::StatusOr<std::string> StreamState(const std::vector<NamedTensor>& state,
                                           int64_t chunk_bytes, bool served, size_t replica);
-  void StartCall(Start start, bool failover, Done done, Deadline deadline = Deadline::max());
+  // `deliver` moves the answer into the caller's message before `done`.
+  void StartCall(Start start, bool failover, Done done, std::function<void()> deliver);
   void Attempt(std::shared_ptr<Call> call);
   absl::Status Named(const grpc::Status& status, size_t replica) const;
   // Info from the first replica that answers; sets *replica to its index.
   absl::StatusOr<v1::ExpertInfoResponse> InfoFrom(size_t* replica);
+  // The liveness check's thread: asks a replica's health service whenever a
+  // call to it is older than options.liveness_check and none is asked yet.
+  void WatchLiveness();
+  void StartProbe(size_t replica);
+  // A blocking call to `replica` was answered: it is not silent.
+  void Answered(size_t replica);
 
   ExpertGroupClientOptions options_;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<v1::ExpertService::Stub>> stubs_;
+  std::vector<std::unique_ptr<grpc::GenericStub>> health_stubs_;  // by replica
   std::atomic<int> calls_in_flight_{0};
   std::atomic<int64_t> rows_sent_{0};
   std::atomic<int64_t> rows_received_{0};
   mutable std::mutex pins_mu_;
   std::vector<std::string> pins_;  // guarded by pins_mu_; by replica
   WeightsChanged on_weights_changed_;
+
+  // The liveness check's state, all guarded by live_mu_.
+  mutable std::mutex live_mu_;
+  std::condition_variable live_cv_;
+  bool stopping_ = false;
+  uint64_t next_attempt_ = 0;
+  // Attempts whose context is alive (they can be cancelled), by number.
+  std::map<uint64_t, Call*> attempts_;
+  std::vector<std::shared_ptr<Probe>> probes_;  // by replica; null: none asked
+  std::vector<bool> silent_;                    // by replica: failed its last check
+  std::atomic<int64_t> liveness_failures_{0};
+  std::thread watcher_;
 };
 
 // Starts n calls (start(i, done) for each i) and waits for every one of them;

@@ -194,6 +194,7 @@ class Trainer:
         self.lines = []  # (time, line) of every attempt
         self.steps = []  # (time, step) of every progress line
         self.max_step = 0
+        self.starts = []  # time of every start
         self.proc = None
         self.lock = threading.Lock()
         self.log = open(out_dir + ".log", "a")
@@ -210,6 +211,7 @@ class Trainer:
             argv.append("--resume")
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, bufsize=1)
+        self.starts.append(time.time())
         proc = self.proc
 
         def read():
@@ -416,6 +418,7 @@ def chaos_train(a, bed, experts, flags, faults):
     trainer = Trainer(bed, a.build, flags, out)
     exits = []         # (time, exit code, expected)
     expected_exit = [False]
+    exited_at = [None]  # when the running trainer's exit was first seen
     pending = list(faults)
     # Then a fault that cannot heal: group 0 down for longer than
     # --group_wait_s. The trainer must end naming the group and its last good
@@ -446,6 +449,8 @@ def chaos_train(a, bed, experts, flags, faults):
                   f"(down until the trainer gives up)")
             sys.stdout.flush()
         rc = proc.poll()
+        if rc is not None and exited_at[0] is None:
+            exited_at[0] = time.time()
         if rc is not None and unhealable["fired"] and unhealable["checked"] is None:
             trainer.reader.join()
             unhealable["checked"] = time.time()
@@ -453,14 +458,18 @@ def chaos_train(a, bed, experts, flags, faults):
             unhealable["rc"] = rc
             unhealable["message"] = next(
                 (l for l in reversed(text.splitlines()) if "did not all serve again" in l), "")
-            exits.append((time.time(), rc, True))
+            exits.append((exited_at[0], rc, True))
+            exited_at[0] = None
             experts.procs[0].wait()
             experts.start(0)
             proc = trainer.start()
             continue
+        # Restarted once the faults it overlapped are undone; its exit counts
+        # from when it happened.
         if rc is not None and not injector.timers:
             trainer.reader.join()
-            exits.append((time.time(), rc, expected_exit[0]))
+            exits.append((exited_at[0], rc, expected_exit[0]))
+            exited_at[0] = None
             if rc == 0:
                 break
             if not expected_exit[0]:
@@ -604,6 +613,18 @@ def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
     lost = result["wall"] - ref_wall
     fired = [f for f in faults if f.fired]
     detect = [f.detected - f.fired for f in fired if f.detected is not None]
+    # A group or link fault is found by the trainer, so one that falls while the
+    # trainer is stopped or restarting (its own fault) is found when it runs again.
+    away = []
+    for g in fired:
+        if g.kind == "trainer_stop":
+            away.append((g.fired, g.fired + g.duration))
+        elif g.target == "trainer":
+            away.append((g.fired, next((t for t in result["trainer"].starts if t > g.fired),
+                                       float("inf"))))
+    group_faults = [f for f in fired if f.target != "trainer" and f.detected is not None]
+    beside = [f for f in group_faults if any(b <= f.detected and e >= f.fired for b, e in away)]
+    alone = [f.detected - f.fired for f in group_faults if f not in beside]
     recover = [f.recovered - f.restored for f in fired
                if f.recovered is not None and f.restored is not None]
 
@@ -633,6 +654,11 @@ def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
            f"| group 0 down past --group_wait_s {a.group_wait_s} s | "
            f"{u_text(result['unhealable'])} |",
            f"| detection, median / max s | {stat(detect)} ({len(detect)} faults raised an error) |",
+           f"| group and link faults while the trainer ran: found within 1 s / detection median / "
+           f"max s | {sum(1 for d in alone if d <= 1.0)} of {len(alone)} / {stat(alone)} |",
+           f"| group and link faults beside a trainer fault (found once it runs again): n, "
+           f"detection max s | {len(beside)}, "
+           f"{max(f.detected - f.fired for f in beside) if beside else 0:.2f} |",
            f"| restore to the first step, median / max s | {stat(recover)} |",
            f"| wall: fault-free / chaos s | {ref_wall:.1f} / {result['wall']:.1f} |",
            f"| time lost a fault s | {lost / max(1, len(fired)):.2f} |",

@@ -222,6 +222,7 @@ class RemoteBackend final : public ExpertBackend {
       go.addresses = {o.addresses[g]};
       go.deadline = o.deadline;
       go.keepalive = o.keepalive;
+      go.liveness_check = o.keepalive;
       go.tls = o.tls;
       HIMOE_ASSIGN_OR_RETURN(auto client, expert::ExpertGroupClient::Create(go));
       v1::ExpertInfoResponse info;
@@ -350,9 +351,10 @@ class RemoteBackend final : public ExpertBackend {
         it = it->second->step == step ? calls_.erase(it) : std::next(it);
       }
     }
-    // A group that stalls with its connection still up answers a cleanup
-    // Abort no sooner than its keepalive fails: not waited for either. Every
-    // group at once.
+    // The clean-up goes to every connected group at once (not to one whose
+    // health check went unanswered), each with a short deadline: a group that
+    // stalls with its connection up would answer no sooner than its
+    // keepalive fails.
     constexpr std::chrono::milliseconds kCleanupDeadline(250);
     const std::chrono::milliseconds deadline =
         reachable_only ? kCleanupDeadline : std::chrono::milliseconds(0);

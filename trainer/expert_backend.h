@@ -104,7 +104,8 @@ struct ExpertBackendOptions {
   // Remote only: one address per group.
   std::vector<std::string> addresses;
   std::chrono::milliseconds deadline{60000};
-  // Remote only: ExpertGroupClientOptions::keepalive of every group's client.
+  // Remote only: ExpertGroupClientOptions::keepalive and liveness_check of
+  // every group's client.
   std::chrono::milliseconds keepalive{0};
   // Remote only: mutual TLS to every group (empty = plaintext).
   TlsFiles tls;

@@ -153,10 +153,10 @@ ABSL_FLAG(bool, group_run_state, false,
 ABSL_FLAG(int, group_wait_s, 300,
           "wait_and_resume: seconds to wait for the groups to serve again");
 ABSL_FLAG(int, group_keepalive_ms, 2000,
-          "remote experts: ping every group's connection this often and fail the calls of one "
-          "whose ping is not answered within as long again (a stopped process, a cut or stalled "
-          "link: UNAVAILABLE, which --on_group_failure handles); 0 = off, the 60 s call deadline "
-          "alone");
+          "remote experts: ping every group's connection this often, and ask a group's health "
+          "service once a call to it is this old; fail the calls of a group whose ping or health "
+          "check is not answered within as long again (a stopped process, a cut or stalled link: "
+          "UNAVAILABLE, which --on_group_failure handles); 0 = off, the 60 s call deadline alone");
 ABSL_FLAG(int64_t, log_every, 10, "progress line every N steps when not on a terminal");
 ABSL_FLAG(int, rank, -1,
           "data parallel: this process's rank; -1 = $RANK, else 0. Rank 0 evaluates, "

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -216,7 +217,8 @@ class ExpertServiceTest : public ::testing::Test {
 
 // A TCP relay on 127.0.0.1 that holds every connection `delay` before it
 // connects on to `target_port`: a server slow to answer the handshake, as a
-// service on a loaded machine is.
+// service on a loaded machine is. Hold() stops carrying bytes either way with
+// the connections left open, as a stopped process or a cut link does.
 class SlowRelay {
  public:
   SlowRelay(int target_port, std::chrono::milliseconds delay) {
@@ -249,7 +251,11 @@ class SlowRelay {
           if (connect(server, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) return;
           pollfd both[2] = {{client, POLLIN, 0}, {server, POLLIN, 0}};
           char buffer[1 << 16];
-          while (poll(both, 2, -1) > 0) {
+          while (poll(both, 2, 20) >= 0 && !stopping_) {
+            if (held_) {  // the bytes wait in the sockets' buffers
+              std::this_thread::sleep_for(std::chrono::milliseconds(10));
+              continue;
+            }
             for (int i = 0; i < 2; ++i) {
               if (both[i].revents == 0) continue;
               const ssize_t n = read(both[i].fd, buffer, sizeof(buffer));
@@ -263,6 +269,7 @@ class SlowRelay {
   }
 
   ~SlowRelay() {
+    stopping_ = true;
     shutdown(listen_fd_, SHUT_RDWR);
     acceptor_.join();
     {
@@ -275,8 +282,11 @@ class SlowRelay {
   }
 
   int port() const { return port_; }
+  void Hold(bool held) { held_ = held; }
 
  private:
+  std::atomic<bool> held_{false};
+  std::atomic<bool> stopping_{false};
   int listen_fd_ = -1;
   int port_ = 0;
   std::mutex mu_;
@@ -1104,6 +1114,141 @@ TEST_F(ExpertServiceTest, ACallReleasesItsContextBeforeDone) {
   ASSERT_EQ(response.outputs_size(), 1);
   EXPECT_LE(MaxAbsDiff(Decode(response.outputs(0).rows()), LocalForward(*LocalGroup(1), 3, a)),
             1e-6);
+}
+
+// A client of the group behind `port` with a 200 ms liveness check, no
+// keepalive and a call deadline far off.
+absl::StatusOr<std::unique_ptr<ExpertGroupClient>> LivenessCheckedClient(int port) {
+  ExpertGroupClientOptions options;
+  options.group_id = kGroup;
+  options.addresses = {absl::StrCat("127.0.0.1:", port)};
+  options.deadline = std::chrono::seconds(20);
+  options.liveness_check = std::chrono::milliseconds(200);
+  return ExpertGroupClient::Create(options);
+}
+
+// A group that stops answering with its connection open (the relay holds
+// every byte): no keepalive here, and the call's deadline is far off, so only
+// the liveness check ends the call, UNAVAILABLE naming the group. Once the
+// relay carries again the next call is answered, equal to the local group.
+TEST_F(ExpertServiceTest, TheLivenessCheckFailsTheCallsOfAGroupThatStoppedAnswering) {
+  SlowRelay relay(server_->port(), std::chrono::milliseconds(0));
+  auto client = LivenessCheckedClient(relay.port());
+  ASSERT_TRUE(client.ok()) << client.status();
+  const at::Tensor a = at::randn({4, kD});
+  const v1::ExpertForwardRequest request = MakeRequest(1, {{3, a}});
+  const auto forward = [&](v1::ExpertForwardResponse* response) {
+    std::promise<absl::Status> done;
+    (*client)->ForwardAsync(&request, response, [&](absl::Status s) { done.set_value(s); });
+    return done.get_future().get();
+  };
+  v1::ExpertForwardResponse response;
+  ASSERT_TRUE(forward(&response).ok());  // connected
+
+  relay.Hold(true);
+  const absl::Status stalled = forward(&response);
+  EXPECT_EQ(stalled.code(), absl::StatusCode::kUnavailable) << stalled;
+  EXPECT_THAT(stalled.message(), HasSubstr("expert group 1 unreachable"));
+  EXPECT_THAT(stalled.message(), HasSubstr("no answer to a health check"));
+  EXPECT_EQ((*client)->calls_failed_by_liveness_check(), 1);
+  // Its connection is up, yet it does not answer: no clean-up waits on it.
+  EXPECT_FALSE((*client)->Connected());
+
+  relay.Hold(false);
+  const absl::Status again = forward(&response);
+  ASSERT_TRUE(again.ok()) << again;
+  ASSERT_EQ(response.outputs_size(), 1);
+  EXPECT_LE(MaxAbsDiff(Decode(response.outputs(0).rows()), LocalForward(*LocalGroup(1), 3, a)),
+            1e-6);
+  EXPECT_EQ((*client)->calls_failed_by_liveness_check(), 1);
+  EXPECT_TRUE((*client)->Connected());
+}
+
+// A request too large for the socket buffers, sent while the relay holds
+// every byte: gRPC cannot give the call back, cancelled or past its deadline,
+// while its bytes are stuck in the connection's write. The liveness check
+// reports it anyway; the late completion, once the relay carries again, is
+// dropped, and the client is destroyed only after it.
+TEST_F(ExpertServiceTest, TheLivenessCheckReportsACallStuckBehindAStalledWrite) {
+  SlowRelay relay(server_->port(), std::chrono::milliseconds(0));
+  auto client = LivenessCheckedClient(relay.port());
+  ASSERT_TRUE(client.ok()) << client.status();
+  v1::ExpertForwardResponse response;
+  {
+    std::promise<absl::Status> done;
+    const v1::ExpertForwardRequest small = MakeRequest(1, {{3, at::randn({4, kD})}});
+    (*client)->ForwardAsync(&small, &response, [&](absl::Status s) { done.set_value(s); });
+    ASSERT_TRUE(done.get_future().get().ok());  // connected
+  }
+  relay.Hold(true);
+  // 25 MB: more than loopback's socket buffers hold.
+  const v1::ExpertForwardRequest big = MakeRequest(1, {{3, at::randn({400000, kD})}});
+  response.Clear();
+  std::promise<absl::Status> done;
+  std::future<absl::Status> reported = done.get_future();
+  (*client)->ForwardAsync(&big, &response, [&](absl::Status s) { done.set_value(s); });
+  // Without the report the call would come back only when the relay carries.
+  const bool in_time = reported.wait_for(std::chrono::seconds(15)) == std::future_status::ready;
+  relay.Hold(false);
+  ASSERT_TRUE(in_time) << "the stalled call was not reported";
+  const absl::Status stalled = reported.get();
+  EXPECT_EQ(stalled.code(), absl::StatusCode::kUnavailable) << stalled;
+  EXPECT_THAT(stalled.message(), HasSubstr("expert group 1 unreachable"));
+  EXPECT_THAT(stalled.message(), HasSubstr("no answer to a health check"));
+  client->reset();  // waits for gRPC to give the call back
+  EXPECT_EQ(response.outputs_size(), 0);
+}
+
+// A group that answers its health checks keeps a call that takes many
+// liveness periods: the check fails only what does not answer.
+TEST(LivenessCheckTest, ASlowCallToAGroupThatAnswersIsNotFailed) {
+  class SlowForward : public v1::ExpertService::CallbackService {
+   public:
+    ~SlowForward() override {
+      for (std::thread& t : answers_) t.join();
+    }
+    grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context,
+                                      const v1::ExpertForwardRequest*,
+                                      v1::ExpertForwardResponse* response) override {
+      grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+      std::lock_guard<std::mutex> lock(mu_);
+      answers_.emplace_back([reactor, response] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+        response->set_weights_fingerprint("slow");
+        reactor->Finish(grpc::Status::OK);
+      });
+      return reactor;
+    }
+
+   private:
+    std::mutex mu_;
+    std::vector<std::thread> answers_;
+  };
+  SlowForward service;
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+
+  ExpertGroupClientOptions options;
+  options.group_id = kGroup;
+  options.addresses = {absl::StrCat("127.0.0.1:", port)};
+  options.liveness_check = std::chrono::milliseconds(100);
+  auto client = ExpertGroupClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const v1::ExpertForwardRequest request;
+  v1::ExpertForwardResponse response;
+  std::promise<absl::Status> done;
+  (*client)->ForwardAsync(&request, &response, [&](absl::Status s) { done.set_value(s); });
+  const absl::Status status = done.get_future().get();
+  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_EQ(response.weights_fingerprint(), "slow");
+  EXPECT_EQ((*client)->calls_failed_by_liveness_check(), 0);
+  client->reset();
+  server->Shutdown();
 }
 
 TEST(FanOutTest, WaitsForEveryCallAndReturnsTheFirstError) {
