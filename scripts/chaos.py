@@ -596,6 +596,14 @@ def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
             redone += last_step  # recovered without a checkpoint: from step 0
             last_step = 0
     in_place = sum(1 for _, line in lines if line.startswith("every expert group kept its state"))
+    # Group failures that reloaded a checkpoint: those the in-place retry
+    # gave up on, or without it every one recovered (not the unhealable one).
+    if a.retry_failed_step:
+        group_reloads = sum(1 for _, line in lines if "; reloading the last checkpoint" in line)
+    else:
+        group_reloads = sum(1 for _, line in lines
+                            if line.startswith("expert group failure at step")) - in_place - (
+                                1 if result["unhealable"]["fired"] else 0)
     reloaded = sum(1 for _, line in lines if line.startswith("resumed from") or
                    line.startswith("step 0: val loss")) - 1  # less the first start
     down_s = sum((f.restored - f.fired) for f in faults if f.fired and f.restored)
@@ -647,7 +655,7 @@ def report_train(a, bed, faults, result, ref_dir, ref_wall, step_s, start_s):
            f"| failed steps run again in place / checkpoint reloads (group recoveries and "
            f"trainer restarts) | {in_place} / {reloaded} |",
            f"| group recoveries by checkpoint reload (not a trainer restart) | "
-           f"{reloaded - trainer_restarts} |",
+           f"{group_reloads} |",
            f"| expert restarts / of them serving the run again from their run state file | "
            f"{expert_restarts} / {expert_restored} |",
            f"| exits not caused by a fault | {len(unexpected)} |",
