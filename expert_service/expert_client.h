@@ -44,11 +44,13 @@ struct ExpertGroupClientOptions {
   // > 0: once a call has been in flight this long, the group's health
   // service (answered by gRPC, never queued behind the experts' work) is
   // asked, with this deadline, whether the process still answers; if it
-  // does not, every call in flight to that address is cancelled and fails
-  // UNAVAILABLE naming the group. A keepalive ping waits to be written
-  // behind a stalled transfer, and TCP waits out its retransmission
-  // time-outs; this check bounds the time to find a stopped process or a
-  // cut or stalled link at about twice the period. 0 = off.
+  // does not, every call in flight to that address fails at once,
+  // UNAVAILABLE naming the group, and later calls to it are checked as soon
+  // as they start until it answers again. A keepalive ping waits to be
+  // written behind a stalled transfer, and gRPC gives back a call stuck in a
+  // stalled connection's write only when TCP gives up; this check bounds the
+  // time to find a stopped process or a cut or stalled link at about twice
+  // the period. 0 = off.
   std::chrono::milliseconds liveness_check{0};
 };
 
@@ -166,7 +168,8 @@ class ExpertGroupClient {
   // Info from the first replica that answers; sets *replica to its index.
   absl::StatusOr<v1::ExpertInfoResponse> InfoFrom(size_t* replica);
   // The liveness check's thread: asks a replica's health service whenever a
-  // call to it is older than options.liveness_check and none is asked yet.
+  // call to it is older than options.liveness_check (or the replica left its
+  // last check unanswered) and none is asked yet.
   void WatchLiveness();
   void StartProbe(size_t replica);
   // A blocking call to `replica` was answered: it is not silent.
