@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -110,15 +111,19 @@ std::vector<double> StepLosses(Trainer& t, int steps) {
   return losses;
 }
 
-// RetryFailedStep, again while a group is still unreachable (the channel
+// `call`, again while a group is still unreachable (the channel
 // reconnecting), for up to 5 s.
-absl::Status RetryWhileUnreachable(Trainer& t) {
-  absl::Status s = t.RetryFailedStep();
+absl::Status RetryWhileUnreachable(const std::function<absl::Status()>& call) {
+  absl::Status s = call();
   for (int i = 0; i < 50 && absl::IsUnavailable(s); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    s = t.RetryFailedStep();
+    s = call();
   }
   return s;
+}
+
+absl::Status RetryWhileUnreachable(Trainer& t) {
+  return RetryWhileUnreachable([&] { return t.RetryFailedStep(); });
 }
 
 // A method, whether the balance controller runs (target expert CV > 0), and
@@ -848,11 +853,7 @@ TEST(RemoteTrainingTest, ABackwardWhoseForwardTheGroupLostIsUnavailable) {
   ASSERT_NO_FATAL_FAILURE(TrainingForward(o, cluster, &backend, &out));
   cluster.Restart(1);
   // Every group answers again (the channel to group 1 reconnected).
-  absl::Status back = backend->CheckLastApplied(0);
-  for (int i = 0; i < 50 && absl::IsUnavailable(back); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    back = backend->CheckLastApplied(0);
-  }
+  const absl::Status back = RetryWhileUnreachable([&] { return backend->CheckLastApplied(0); });
   ASSERT_TRUE(back.ok()) << back;
   const absl::Status s = BackwardOf(out);
   EXPECT_TRUE(absl::IsUnavailable(s)) << s;
