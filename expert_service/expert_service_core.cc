@@ -22,6 +22,11 @@
 namespace himoe::expert {
 namespace {
 
+std::optional<uint32_t> GradPosition(const v1::ExpertBackwardRequest& request) {
+  if (!request.has_grad_position()) return std::nullopt;
+  return request.grad_position();
+}
+
 // The experts' outputs `y` of rows `x` are finite, or an error saying so.
 absl::Status CheckFiniteOutputs(const at::Tensor& y, const at::Tensor& x, int layer, int group) {
   if (AllFinite(y)) return absl::OkStatus();
@@ -427,8 +432,9 @@ absl::Status ExpertServiceCore::BackwardImpl(const SavedKey& key, SavedForward& 
                              " (outputs[", i, "] of the saved Forward)"));
           },
           saved.rows, shared_.get()));
-  HIMOE_ASSIGN_OR_RETURN(const at::Tensor input_grad,
-                         RunBackward(key, saved, static_cast<int>(request->rank()), grads));
+  HIMOE_ASSIGN_OR_RETURN(
+      const at::Tensor input_grad,
+      RunBackward(key, saved, static_cast<int>(request->rank()), GradPosition(*request), grads));
   HIMOE_ASSIGN_OR_RETURN(
       TensorSink sink,
       TensorSink::Create(request->has_output_slice() ? &request->output_slice() : nullptr,
@@ -463,8 +469,9 @@ absl::Status ExpertServiceCore::CombinedBackward(const SavedKey& key, SavedForwa
   HIMOE_ASSIGN_OR_RETURN(const at::Tensor grad,
                          DecodeRowTensor(request->mutable_combined_grad(), "combined_grad",
                                          options_.shape.d_model(), saved.rows[0], shared_.get()));
-  HIMOE_ASSIGN_OR_RETURN(const at::Tensor input_grad,
-                         RunBackward(key, saved, static_cast<int>(request->rank()), {grad}));
+  HIMOE_ASSIGN_OR_RETURN(
+      const at::Tensor input_grad,
+      RunBackward(key, saved, static_cast<int>(request->rank()), GradPosition(*request), {grad}));
   HIMOE_ASSIGN_OR_RETURN(
       TensorSink sink,
       TensorSink::Create(request->has_output_slice() ? &request->output_slice() : nullptr,
@@ -483,6 +490,7 @@ absl::Status ExpertServiceCore::CombinedBackward(const SavedKey& key, SavedForwa
 
 absl::StatusOr<at::Tensor> ExpertServiceCore::RunBackward(const SavedKey& key, SavedForward& saved,
                                                           int rank,
+                                                          std::optional<uint32_t> position,
                                                           const std::vector<at::Tensor>& grads) {
   at::Tensor input_grad;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
@@ -499,14 +507,34 @@ absl::StatusOr<at::Tensor> ExpertServiceCore::RunBackward(const SavedKey& key, S
           key.DebugString(), "; abort the step and redo it"));
     }
     std::lock_guard<std::mutex> grad_lock(grad_mutex_);
-    // Earlier Backwards' weight gradients first: the grads sum in call order.
+    if (position.has_value()) {
+      const auto order = grad_orders_.find({rank, key.layer});
+      if (order != grad_orders_.end() &&
+          (*position < order->second.next || order->second.waiting.count(*position) > 0)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "grad_position: ", *position, " of layer ", key.layer, ", rank ", rank,
+            " came already this step; expected ", order->second.next, " or later, once each"));
+      }
+    }
+    // Earlier Backwards' weight gradients first: the grads sum in call order
+    // (positioned ones in position order).
     HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
     UseRankGradsLocked(rank);
-    {
-      DeferWeightGradsScope defer(options_.defer_weight_grads ? &pending_weight_grads_ : nullptr);
-      torch::autograd::backward({saved.output}, {grad_output});
+    if (position.has_value()) {
+      DeferredWeightGrads work;
+      {
+        DeferWeightGradsScope defer(&work);
+        torch::autograd::backward({saved.output}, {grad_output});
+      }
+      QueueInOrderLocked(rank, key.layer, *position, std::move(work));
+      if (!options_.defer_weight_grads) HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
+    } else {
+      {
+        DeferWeightGradsScope defer(options_.defer_weight_grads ? &pending_weight_grads_ : nullptr);
+        torch::autograd::backward({saved.output}, {grad_output});
+      }
+      pending_ranks_.resize(pending_weight_grads_.size(), rank);
     }
-    pending_ranks_.resize(pending_weight_grads_.size(), rank);
     input_grad = saved.input.grad();
     return absl::OkStatus();
   }));
@@ -537,10 +565,35 @@ absl::Status ExpertServiceCore::RunPendingWeightGradsLocked() {
                                    weight_grads_error_.message()));
 }
 
+void ExpertServiceCore::QueueInOrderLocked(int rank, int layer, uint32_t position,
+                                           DeferredWeightGrads work) {
+  GradOrder& order = grad_orders_[{rank, layer}];
+  order.waiting[position] = std::move(work);
+  for (auto it = order.waiting.begin(); it != order.waiting.end() && it->first == order.next;
+       it = order.waiting.erase(it), ++order.next) {
+    for (auto& w : it->second) {
+      pending_weight_grads_.push_back(std::move(w));
+      pending_ranks_.push_back(rank);
+    }
+  }
+}
+
+absl::Status ExpertServiceCore::CheckNoneWaitingLocked(const char* rpc) const {
+  for (const auto& [rank_layer, order] : grad_orders_) {
+    if (order.waiting.empty()) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        rpc, ": the weight gradients of layer ", rank_layer.second, "'s Backward at grad_position ",
+        order.waiting.begin()->first, " (rank ", rank_layer.first, ") wait for position ",
+        order.next, ", which never came; abort the step"));
+  }
+  return absl::OkStatus();
+}
+
 void ExpertServiceCore::DropPendingWeightGrads() {
   std::lock_guard<std::mutex> grad_lock(grad_mutex_);
   pending_weight_grads_.clear();
   pending_ranks_.clear();
+  grad_orders_.clear();
   weight_grads_error_ = absl::OkStatus();
   // The grads the parameters hold are zeroed next; they are rank 0's then.
   parked_grads_.clear();
@@ -601,6 +654,7 @@ absl::Status ExpertServiceCore::Step(const v1::ExpertStepRequest& request,
     {
       std::shared_lock<std::shared_mutex> state_lock(state_mutex_);
       std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+      HIMOE_RETURN_IF_ERROR(CheckNoneWaitingLocked("Step (norm_only)"));
       HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
       HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
         FoldRankGradsLocked();
@@ -625,11 +679,14 @@ absl::Status ExpertServiceCore::Step(const v1::ExpertStepRequest& request,
       CheckRanks("Step", request.step(), request.run_id(), request.world_size(), 0));
   {
     std::lock_guard<std::mutex> grad_lock(grad_mutex_);
+    HIMOE_RETURN_IF_ERROR(CheckNoneWaitingLocked("Step"));
     HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
     HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&] {
       FoldRankGradsLocked();
       return absl::OkStatus();
     }));
+    // The next step's positions count from 0 again.
+    grad_orders_.clear();
   }
   HIMOE_ASSIGN_OR_RETURN(const OptimizerStepResult result, optimizer_->Step(options));
   last_applied_step_.store(result.last_applied_step, std::memory_order_relaxed);

@@ -208,11 +208,19 @@ class ExpertServiceCore {
   absl::Status CombinedBackward(const SavedKey& key, SavedForward& saved,
                                 v1::ExpertBackwardRequest* request,
                                 v1::ExpertBackwardResponse* response);
-  // dL/d(input) of a saved Forward; accumulates the parameter grads.
-  // Backward of a saved Forward, its parameter gradients added to trainer
-  // rank `rank`'s sums.
+  // Backward of a saved Forward: dL/d(input); its parameter gradients are
+  // added to trainer rank `rank`'s sums, in `position`'s order when it has
+  // one (ExpertBackwardRequest.grad_position).
   absl::StatusOr<at::Tensor> RunBackward(const SavedKey& key, SavedForward& saved, int rank,
+                                         std::optional<uint32_t> position,
                                          const std::vector<at::Tensor>& grads);
+  // Queues a positioned Backward's weight-gradient work; whatever is next in
+  // its (rank, layer) order goes to the pending work. Under grad_mutex_.
+  void QueueInOrderLocked(int rank, int layer, uint32_t position, DeferredWeightGrads work);
+  // OK unless a positioned Backward's weight gradients still wait for an
+  // earlier position (which never came): then FAILED_PRECONDITION naming it.
+  // Under grad_mutex_.
+  absl::Status CheckNoneWaitingLocked(const char* rpc) const;
   int num_layers() const { return options_.shape.num_layers(); }
   // GetState with state_mutex_ held (either side).
   absl::StatusOr<std::vector<NamedTensor>> GetStateLocked(bool include_optimizer) const;
@@ -258,6 +266,13 @@ class ExpertServiceCore {
   mutable std::mutex grad_mutex_;
   DeferredWeightGrads pending_weight_grads_;  // guarded by grad_mutex_
   std::vector<int> pending_ranks_;            // each one's trainer rank; grad_mutex_
+  // Positioned Backwards of the step by (rank, layer): the next position to
+  // add, and the work of later ones that came first. Guarded by grad_mutex_.
+  struct GradOrder {
+    uint32_t next = 0;
+    std::map<uint32_t, DeferredWeightGrads> waiting;
+  };
+  std::map<std::pair<int, int>, GradOrder> grad_orders_;
   // The parameters whose .grad Backward adds to, in a fixed order; the rank
   // whose sums they hold, and every other rank's ([rank][parameter]).
   // Guarded by grad_mutex_.

@@ -8,7 +8,8 @@
 # (--split_batch; 2, the trainer's default with remote experts), with overlap
 # "on" (all in flight at once, --micro_batches_in_flight: one's dense work
 # while another's rows are on the wire) or "off" (one at a time): the same
-# arithmetic, so only the schedule differs.
+# arithmetic, so only the schedule differs. "onN": N micro-batches, all in
+# flight (--split_batch N --micro_batches_in_flight N).
 #
 # Configs: "released" (the released code's: 4 layers, d 128, 8 experts in 4
 # groups, k 1, width 512) and "two_per_group" (16 experts in 4 groups, k 2,
@@ -35,7 +36,7 @@
 # (--out, default runs/bench/link.md).
 #
 #   scripts/link_bench.sh [--rates "500mbit 1gbit 10gbit none"] [--configs "released two_per_group"]
-#       [--dtypes "float32 bfloat16"] [--overlap "on off"] [--rtts "0.2 1 5"]
+#       [--dtypes "float32 bfloat16"] [--overlap "on off on4"] [--rtts "0.2 1 5"]
 #       [--micro_batches 2] [--steps 30] [--rounds 2] [--out F]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,7 +44,7 @@ BUILD="${HIMOE_BUILD_DIR:-${ROOT}/build}"
 rates="500mbit 1gbit 10gbit none"
 configs="released two_per_group"
 dtypes="float32 bfloat16"
-overlaps="on off"
+overlaps="on off on4"
 rtts="0.2 1 5"
 micro_batches=2
 steps=30
@@ -108,15 +109,20 @@ results="${work}/results.tsv"
 # results line.
 train() {
   local name="$1" cluster="$2" config="$3" wire="$4" overlap="$5" rate="$6" rtt="$7" round="$8"
-  local in_flight="${micro_batches}" tx0 rx0 tx1 rx1
-  [[ "${overlap}" == on ]] || in_flight=1
+  local split="${micro_batches}" in_flight tx0 rx0 tx1 rx1
+  case "${overlap}" in
+    off) in_flight=1 ;;
+    on) in_flight="${split}" ;;
+    on*) split="${overlap#on}" in_flight="${overlap#on}" ;;
+    *) echo "link_bench: unknown overlap '${overlap}'" >&2; exit 2 ;;
+  esac
   read -r _ _ d_ff < <(config_model "${config}")
   echo "link_bench: ${name}" >&2
   read -r tx0 rx0 < <(eth0_bytes)
   ip netns exec "${NETNS_COORD}" "${BUILD}/trainer/himoe-trainer" --experts=cluster \
     --cluster "${cluster}" --wire_dtype="${wire}" --threads 1 \
     --n_layer 4 --d_model 128 --n_head 4 --block_size 128 --batch_size 16 \
-    --split_batch "${micro_batches}" --micro_batches_in_flight "${in_flight}" \
+    --split_batch "${split}" --micro_batches_in_flight "${in_flight}" \
     --d_ff "${d_ff}" --dense_ff 512 \
     --lr 1e-3 --steps "${steps}" --warmup 5 --eval_every 1000000 --eval_windows 1 \
     --log_every 1000000 --metrics_port=-1 --out_dir "${work}/${name}" "${@:9}" \

@@ -3,8 +3,9 @@
 
   link_report.py RESULTS.tsv OUT.md STEPS MICRO_BATCHES [GENERATE.tsv]
 
-RESULTS.tsv lines: config, overlap, rate, wire dtype, rtt, round, eth0 tx
-bytes, eth0 rx bytes, the run's metrics.jsonl. GENERATE.tsv lines: rtt, round,
+RESULTS.tsv lines: config, overlap ("off", "on", or "onN": N micro-batches
+in flight), rate, wire dtype, rtt, round, eth0 tx bytes, eth0 rx bytes, the
+run's metrics.jsonl. GENERATE.tsv lines: rtt, round,
 ms a token of one Generate stream. Exits 1 when a run's row bytes
 differ from tokens x distinct groups a token x d_model x bytes x 2.
 """
@@ -45,6 +46,13 @@ def write_doc(lines, path):
         f.write(doc)
 
 
+def schedule(overlap, micro):
+    """(overlap, micro-batches) of an overlap label."""
+    if overlap in ("on", "off"):
+        return overlap, micro
+    return "on", overlap[2:]
+
+
 def run_figures(path, wire):
     train = [json.loads(l) for l in open(path) if '"kind":"train"' in l]
     timed = train[WARMUP:]
@@ -79,7 +87,8 @@ def main():
     text = [f"Measured {datetime.date.today()} on {cpu}, {os.cpu_count()} cores, commit "
             f"{commit}: 4 himoe-expert hosts and the coordinator in network namespaces of "
             f"this machine, {steps} steps a run, 2048 tokens a step (a batch of 16 x 128 as "
-            f"{micro} micro-batches; overlap on: all in flight at once). tokens/s: the median step after 5, the median over rounds (each ratio "
+            f"micro-batches; overlap on: all in flight at once, off: one at a time). tokens/s: "
+            "the median step after 5, the median over rounds (each ratio "
             "the median of the rounds' own). Link bound: tokens/s if moving the step's row "
             "bytes (the larger direction) at the tbf rate were the only cost. Row bytes: what "
             "the transport moved a step each way, equal to tokens x distinct groups a token x "
@@ -90,9 +99,10 @@ def main():
         return [x for x in runs if all(x[k] == v for k, v in kw.items())]
 
     shaped = [r for r in runs if r["rtt"] == "-"]
-    text += ["| config | overlap | link | wire | tokens/s | / unshaped | link bound tokens/s "
-             "| / min(unshaped, bound) | row MiB a step, each way | eth0 MiB a step, out / in |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    text += ["| config | overlap | micro-batches | link | wire | tokens/s | / unshaped "
+             "| link bound tokens/s | / min(unshaped, bound) | row MiB a step, each way "
+             "| eth0 MiB a step, out / in |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     keys = []
     for r in shaped:
         k = (r["config"], r["overlap"], r["rate"], r["wire"])
@@ -115,7 +125,8 @@ def main():
         tps = statistics.median(r["tps"] for r in rounds)
         cell = lambda v, f: (f % statistics.median(v)) if v else ""
         text.append(
-            f"| {config} | {overlap} | {rate} | {wire} | {tps:.0f} | {cell(per_round, '%.2f')} | "
+            f"| {config} | {' | '.join(schedule(overlap, micro))} | {rate} | {wire} | {tps:.0f} | "
+            f"{cell(per_round, '%.2f')} | "
             f"{cell(bounds, '%.0f')} | {cell(per_round_min, '%.2f')} | "
             f"{rounds[0]['sent'] / mib:.1f} | "
             f"{statistics.median(r['eth0_tx'] for r in rounds) / mib:.1f} / "
@@ -133,8 +144,8 @@ def main():
                  "front of every group adding the round-trip time; training on the released "
                  "config, float32; Generate: one stream through himoe-router serving that "
                  "config (64 new tokens, the median of 3 streams a round, then over rounds).",
-                 "", f"| RTT added, ms | overlap | tokens/s | step, ms | / {rtts[0]} ms "
-                 "| Generate, ms a token |", "|---:|---|---:|---:|---:|---:|"]
+                 "", f"| RTT added, ms | overlap | micro-batches | tokens/s | step, ms "
+                 f"| / {rtts[0]} ms | Generate, ms a token |", "|---:|---|---:|---:|---:|---:|---:|"]
         for overlap in sorted({r["overlap"] for r in relayed}):
             for rtt in rtts:
                 rounds = same(rtt=rtt, overlap=overlap)
@@ -142,7 +153,7 @@ def main():
                           for r in rounds]
                 tps = statistics.median(r["tps"] for r in rounds)
                 gen = f"{statistics.median(generate[rtt]):.2f}" if rtt in generate else ""
-                text.append(f"| {rtt} | {overlap} | {tps:.0f} | "
+                text.append(f"| {rtt} | {' | '.join(schedule(overlap, micro))} | {tps:.0f} | "
                             f"{1000 * rounds[0]['tokens'] / tps:.0f} | "
                             f"{statistics.median(ratios):.2f} | {gen} |")
     write_doc(text, out_path)

@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<BackendMoE>> BackendMoE::Create(const model::Mode
     HIMOE_ASSIGN_OR_RETURN(auto r, router::RouterLayer::Create(ro));
     moe->routers_.push_back(std::move(r));
   }
+  moe->next_position_.resize(moe->routers_.size());
   return moe;
 }
 
@@ -47,6 +48,7 @@ absl::StatusOr<router::MoEOutput> BackendMoE::Forward(int layer, const at::Tenso
         absl::StrCat("MoE layer ", layer, " of ", num_layers(), " does not exist"));
   }
   router::MoEOutput out;
+  std::vector<int64_t> positions;
   HIMOE_RETURN_IF_ERROR(CatchTorchErrors([&]() -> absl::Status {
     {
       HIMOE_PROFILE_SCOPE("routing, aux losses");
@@ -56,6 +58,7 @@ absl::StatusOr<router::MoEOutput> BackendMoE::Forward(int layer, const at::Tenso
       }
       auto routed = call.training ? RouteTraining(layer, x, call)
                                   : routers_[layer]->Route(x, false, call.segments);
+      if (routed.ok() && call.training) positions = GradPositions(layer, call.micro_batch, *routed);
       if (turns != nullptr) turns->Pass(Turn::kRoute, layer, call.micro_batch);
       HIMOE_ASSIGN_OR_RETURN(out.routing, std::move(routed));
     }
@@ -72,6 +75,7 @@ absl::StatusOr<router::MoEOutput> BackendMoE::Forward(int layer, const at::Tenso
         groups[g].assignment_rows = std::move(once.rows);
         groups[g].expert_ids = d.expert_ids;
         groups[g].weights = d.weights;
+        if (!positions.empty()) groups[g].grad_position = positions[g];
       }
       std::vector<at::Tensor> rows = router::DispatchGroupRows(x, distinct);
       for (size_t g = 0; g < groups.size(); ++g) groups[g].rows = std::move(rows[g]);
@@ -91,6 +95,20 @@ absl::StatusOr<router::MoEOutput> BackendMoE::Forward(int layer, const at::Tenso
     return absl::OkStatus();
   }));
   return out;
+}
+
+std::vector<int64_t> BackendMoE::GradPositions(int layer, uint32_t micro_batch,
+                                               const router::RoutingOutput& routing) {
+  std::vector<int64_t>& next = next_position_[layer];
+  // Micro-batch 0 routes each layer first in a step (and in its retry).
+  if (micro_batch == 0 || next.size() != routing.groups.size()) {
+    next.assign(routing.groups.size(), 0);
+  }
+  std::vector<int64_t> positions(routing.groups.size(), -1);
+  for (size_t g = 0; g < routing.groups.size(); ++g) {
+    if (routing.groups[g].expert_ids.numel() > 0) positions[g] = next[g]++;
+  }
+  return positions;
 }
 
 absl::StatusOr<router::RoutingOutput> BackendMoE::RouteTraining(int layer, const at::Tensor& x,

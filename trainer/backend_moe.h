@@ -1,6 +1,7 @@
 #ifndef HIMOE_TRAINER_BACKEND_MOE_H_
 #define HIMOE_TRAINER_BACKEND_MOE_H_
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -62,6 +63,11 @@ class BackendMoE final : public model::MoELayers {
   // routing all those batches in turn would, the same on every rank.
   absl::StatusOr<router::RoutingOutput> RouteTraining(int layer, const at::Tensor& x,
                                                       const model::MoECall& call);
+  // Each group's GroupRows::grad_position for a training micro-batch's
+  // routing of `layer` (-1: no rows for the group). Called in micro-batch
+  // order (the routing turn).
+  std::vector<int64_t> GradPositions(int layer, uint32_t micro_batch,
+                                     const router::RoutingOutput& routing);
 
   int64_t d_model_;
   ExpertBackend* experts_;
@@ -69,6 +75,8 @@ class BackendMoE final : public model::MoELayers {
   DataParallel* data_parallel_;
   int lanes_;
   std::vector<std::unique_ptr<router::RouterLayer>> routers_;
+  // Per layer, per group: the next micro-batch's grad position this step.
+  std::vector<std::vector<int64_t>> next_position_;
 };
 
 }  // namespace himoe::trainer

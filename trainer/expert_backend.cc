@@ -427,8 +427,6 @@ class RemoteBackend final : public ExpertBackend {
     return regions_ == nullptr ? expert::RegionLease() : regions_->Lease(group, bytes);
   }
 
-  MicroBatchTurns* turns() const { return options_.turns; }
-
  private:
   explicit RemoteBackend(const ExpertBackendOptions& o)
       : options_(o),
@@ -512,13 +510,7 @@ class RemoteExpertsFunction : public torch::autograd::Function<RemoteExpertsFunc
       throw StatusException(absl::FailedPreconditionError(
           absl::StrCat("remote expert call ", handle, " was aborted before its backward")));
     }
-    MicroBatchTurns* turns = call->backend->turns();
-    if (turns != nullptr) {
-      const absl::Status s = turns->Wait(Turn::kBackward, call->layer, call->micro_batch);
-      if (!s.ok()) throw StatusException(s);
-    }
     auto input_grads = call->backend->SendBackward(*call, grads);
-    if (turns != nullptr) turns->Pass(Turn::kBackward, call->layer, call->micro_batch);
     if (!input_grads.ok()) throw StatusException(input_grads.status());
     torch::autograd::variable_list out = {at::Tensor()};  // for `call`
     for (auto& g : *input_grads) out.push_back(std::move(g));
@@ -548,6 +540,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::Forward(int layer, uint64
     GroupRows kept;
     kept.assignment_rows = groups[g].assignment_rows;
     kept.expert_ids = groups[g].expert_ids;
+    kept.grad_position = groups[g].grad_position;
     call->sent.push_back(std::move(kept));
     rows.push_back(groups[g].rows);
     weights.push_back(groups[g].weights);
@@ -670,6 +663,9 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
       r.set_run_id(f.run_id());
       r.set_rank(f.rank());
       r.set_world_size(f.world_size());
+      if (call.sent[i].grad_position >= 0) {
+        r.set_grad_position(static_cast<uint32_t>(call.sent[i].grad_position));
+      }
       const int64_t u = f.tokens().rows().shape(0);
       const at::Tensor g = grads[i].defined() ? grads[i].to(options_.wire_dtype).contiguous()
                                               : at::zeros({u, d_model()}, options_.wire_dtype);

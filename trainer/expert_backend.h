@@ -16,7 +16,6 @@
 #include "common/named_tensor.h"
 #include "himoe/v1/model.pb.h"
 #include "proto/tls_credentials.h"
-#include "trainer/micro_batch_turns.h"
 
 namespace himoe::trainer {
 
@@ -35,6 +34,11 @@ struct GroupRows {
   at::Tensor assignment_rows;  // int64 [n]: each assignment's row of `rows`
   at::Tensor expert_ids;       // int64 [n]: ascending, all in the group
   at::Tensor weights;          // float [n]: the assignments' combine weights
+  // Training: this micro-batch's place among the step's micro-batches that
+  // send this group rows of this layer (0, 1, ...), in micro-batch order;
+  // the group adds their expert gradients in that order, whatever order
+  // their Backwards come in. -1: arrival order.
+  int64_t grad_position = -1;
 };
 
 // Bytes of rows, outputs and gradients that went to and came from one group.
@@ -127,10 +131,6 @@ struct ExpertBackendOptions {
   // references. Every group must run on this host with --shared_memory.
   // Where a region cannot be made, the bytes go in the messages.
   bool shared_memory = false;
-  // Remote only: with it (not owned), training micro-batches send each
-  // layer's Backward in their order (Turn::kBackward), so that several can
-  // run at once and the groups still sum their gradients in order.
-  MicroBatchTurns* turns = nullptr;
   // Remote only: one trainer rank of world_size sharing the groups. Each
   // micro-batch b goes out as b * world_size + rank, unique over the ranks;
   // only the rank with begin_run begins run_id (every rank's calls carry it),

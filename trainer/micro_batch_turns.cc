@@ -5,15 +5,15 @@
 namespace himoe::trainer {
 
 MicroBatchTurns::MicroBatchTurns(int layers)
-    : layers_(std::max(layers, 0)), next_(2 * static_cast<size_t>(layers_) + 1, 0) {}
+    : layers_(std::max(layers, 0)), next_(static_cast<size_t>(layers_) + 1, 0) {}
 
 int MicroBatchTurns::Point(Turn turn, int layer) const {
   switch (turn) {
-    case Turn::kRoute: return layer;
-    case Turn::kBackward: return layers_ + layer;
+    case Turn::kRoute:
+      return layer;
     case Turn::kGradientSum: break;
   }
-  return 2 * layers_;
+  return layers_;
 }
 
 void MicroBatchTurns::Begin() {

@@ -13,10 +13,10 @@ namespace himoe::trainer {
 
 // The points where the micro-batches of a step that run at once must go in
 // order, so that the state they change changes as in a sequential step, bit
-// for bit: a layer's routing (the routers' EMA, counts and drop seeds), a
-// layer's experts' Backward (the groups add the expert gradients in arrival
-// order), and the sum of the dense gradients.
-enum class Turn { kRoute, kBackward, kGradientSum };
+// for bit: a layer's routing (the routers' EMA, counts and drop seeds, and
+// the micro-batch's place in the order the groups add its expert gradients
+// in, GroupRows::grad_position), and the sum of the dense gradients.
+enum class Turn { kRoute, kGradientSum };
 
 // At each point, micro-batch b goes only after every micro-batch before it
 // has passed that point or finished. Thread-safe.

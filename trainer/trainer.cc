@@ -128,7 +128,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainerOptions& o
     lanes.max_queue = in_flight;
     HIMOE_ASSIGN_OR_RETURN(t->lanes_, ComputePool::Create(lanes));
     t->lanes_in_flight_ = in_flight;
-    bo.turns = t->turns_.get();
   }
   if (o.remote_experts) {
     // Rank 0 begins the run on the groups before any rank calls them.
@@ -332,7 +331,8 @@ absl::Status Trainer::MicroBatchesAtOnce(uint64_t step, StepResult& r) {
   turns_->Begin();
   const int lanes = lanes_in_flight_;
   // Lane k runs micro-batches k, k + lanes, ... one after the other; the
-  // turns keep every lane's routing and Backward calls in micro-batch order.
+  // turns keep every lane's routing in micro-batch order (and with it each
+  // Backward's grad position, so Backward calls need no turn).
   // Each micro-batch's dense gradients are its own until its turn to add
   // them, in order, as backward() into .grad would.
   auto run_lane = [&](int lane) -> absl::Status {

@@ -1019,6 +1019,118 @@ TEST(ExpertTrainingCoreTest, RanksGradientsAddInRankOrderWhateverTheArrival) {
   EXPECT_EQ(two->Info().run_id, "ranks");
 }
 
+// Backwards with grad_position add their weight gradients in position
+// order whatever order they come in: bit for bit the sums of the same calls
+// arriving in that order (with the weight gradients deferred or computed
+// inside Backward), and not those of the arrival order, which round
+// differently. A position that never comes stops the Step; one that came
+// already is refused; an Abort lets the retry count from 0.
+TEST(ExpertTrainingCoreTest, PositionedBackwardsAddInPositionOrderWhateverTheArrival) {
+  struct Call {
+    Inputs inputs;
+    std::vector<at::Tensor> grads;
+  };
+  std::vector<Call> calls;
+  for (uint32_t mb = 0; mb < 4; ++mb) {
+    Call c{RandomInputs({{2, 30 + mb}, {3, 20}}), {}};
+    c.grads = RandomGrads(c.inputs);
+    calls.push_back(std::move(c));
+  }
+  // Every Forward first (as micro-batches in flight do), then the Backwards
+  // in `order`; the input gradients by micro-batch.
+  const auto run = [&](ExpertServiceCore* core, const std::vector<uint32_t>& order,
+                       bool positioned) {
+    for (uint32_t mb = 0; mb < calls.size(); ++mb) {
+      v1::ExpertForwardResponse forward;
+      const absl::Status f = core->Forward(ForwardRequest(Key{1, mb}, calls[mb].inputs), &forward);
+      EXPECT_TRUE(f.ok()) << f;
+    }
+    std::vector<std::vector<at::Tensor>> input_grads(calls.size());
+    for (const uint32_t mb : order) {
+      v1::ExpertBackwardRequest b = BackwardRequest(Key{1, mb}, calls[mb].inputs, calls[mb].grads);
+      if (positioned) b.set_grad_position(mb);
+      v1::ExpertBackwardResponse backward;
+      const absl::Status s = core->Backward(b, &backward);
+      EXPECT_TRUE(s.ok()) << s;
+      for (const v1::ExpertRows& g : backward.input_grads()) {
+        input_grads[mb].push_back(Decode(g.rows()));
+      }
+    }
+    EXPECT_GT(CoreGradNormSquared(core), 0);
+    return input_grads;
+  };
+  const auto grads_of = [](ExpertServiceCore* core) {
+    std::vector<at::Tensor> out;
+    for (const auto& [name, p] : core->group(1)->named_parameters()) out.push_back(p.grad());
+    return out;
+  };
+  const auto same = [](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+    if (a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (!at::equal(a[i], b[i])) return false;
+    }
+    return true;
+  };
+  auto in_order = MakeCore();
+  auto positioned = MakeCore();
+  auto arrival = MakeCore();
+  ExpertServiceOptions eager_options = CoreOptions();
+  eager_options.defer_weight_grads = false;
+  auto eager = ExpertServiceCore::Create(eager_options);
+  ASSERT_TRUE(eager.ok()) << eager.status();
+  const std::vector<uint32_t> shuffled = {2, 0, 3, 1};
+  const auto want_inputs = run(in_order.get(), {0, 1, 2, 3}, false);
+  const auto got_inputs = run(positioned.get(), shuffled, true);
+  run(arrival.get(), shuffled, false);
+  run(eager->get(), shuffled, true);
+  for (size_t mb = 0; mb < calls.size(); ++mb) {
+    EXPECT_TRUE(same(got_inputs[mb], want_inputs[mb])) << "input grads of micro-batch " << mb;
+  }
+  EXPECT_TRUE(same(grads_of(positioned.get()), grads_of(in_order.get())));
+  EXPECT_TRUE(same(grads_of(eager->get()), grads_of(in_order.get())));
+  // The order matters to the bits here: without positions the sums differ.
+  EXPECT_FALSE(same(grads_of(arrival.get()), grads_of(in_order.get())));
+
+  // Positions 0 and 2 of step 1, 1 never sent; then 0 again.
+  auto gap = MakeCore();
+  for (const uint32_t mb : {0u, 2u, 1u, 5u}) {
+    v1::ExpertForwardResponse forward;
+    ASSERT_TRUE(gap->Forward(ForwardRequest(Key{1, mb}, calls[mb % 4].inputs), &forward).ok());
+  }
+  for (const uint32_t mb : {0u, 2u}) {
+    v1::ExpertBackwardRequest b = BackwardRequest(Key{1, mb}, calls[mb].inputs, calls[mb].grads);
+    b.set_grad_position(mb);
+    v1::ExpertBackwardResponse backward;
+    ASSERT_TRUE(gap->Backward(b, &backward).ok());
+  }
+  v1::ExpertStepRequest norm;
+  norm.set_norm_only(true);
+  v1::ExpertStepResponse stepped;
+  absl::Status s = gap->Step(norm, &stepped);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("layer 1's Backward at grad_position 2 (rank 0) wait for position 1, "
+                        "which never came"));
+  s = gap->Step(StepRequest(1), &stepped);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  v1::ExpertBackwardRequest again = BackwardRequest(Key{1, 5}, calls[1].inputs, calls[1].grads);
+  again.set_grad_position(0);
+  v1::ExpertBackwardResponse backward;
+  s = gap->Backward(again, &backward);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("grad_position: 0 of layer 1, rank 0 came already this step; expected 1 "
+                        "or later"));
+  v1::ExpertAbortRequest abort;
+  abort.set_step(1);
+  v1::ExpertAbortResponse aborted;
+  ASSERT_TRUE(gap->Abort(abort, &aborted).ok());
+  EXPECT_EQ(CoreGradNormSquared(gap.get()), 0.0);
+  const auto retried = run(gap.get(), shuffled, true);
+  for (size_t mb = 0; mb < calls.size(); ++mb) EXPECT_TRUE(same(retried[mb], want_inputs[mb]));
+  EXPECT_TRUE(same(grads_of(gap.get()), grads_of(in_order.get())));
+}
+
 TEST(ExpertTrainingCoreTest, StepMatchesTorchAdamW) {
   auto core = MakeCore();
   auto l0 = LocalGroup(0), l1 = LocalGroup(1);

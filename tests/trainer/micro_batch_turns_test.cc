@@ -31,7 +31,6 @@ TEST(MicroBatchTurnsTest, AMicroBatchWaitsForTheOneBeforeItAtTheSamePoint) {
   EXPECT_FALSE(returned);
   // Other points, and other layers, do not let it through.
   turns.Pass(Turn::kRoute, 0, 0);
-  turns.Pass(Turn::kBackward, 1, 0);
   turns.Pass(Turn::kGradientSum, 0, 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_FALSE(returned);
@@ -44,12 +43,12 @@ TEST(MicroBatchTurnsTest, AMicroBatchWaitsForTheOneBeforeItAtTheSamePoint) {
 TEST(MicroBatchTurnsTest, PassedAndFinishedMicroBatchesLetTheNextThrough) {
   MicroBatchTurns turns(/*layers=*/1);
   turns.Begin();
-  turns.Pass(Turn::kBackward, 0, 0);
-  EXPECT_TRUE(turns.Wait(Turn::kBackward, 0, 1).ok());
+  turns.Pass(Turn::kGradientSum, 0, 0);
+  EXPECT_TRUE(turns.Wait(Turn::kGradientSum, 0, 1).ok());
   // Micro-batch 1 passes no more points (it failed, or had nothing there):
   // micro-batch 2 does not wait for it.
   turns.Finish(1);
-  EXPECT_TRUE(turns.Wait(Turn::kBackward, 0, 2).ok());
+  EXPECT_TRUE(turns.Wait(Turn::kGradientSum, 0, 2).ok());
   turns.Finish(0);
   EXPECT_TRUE(turns.Wait(Turn::kRoute, 0, 2).ok());
 }
@@ -81,7 +80,7 @@ TEST(MicroBatchTurnsTest, OutsideAStepNothingWaits) {
   turns.Begin();
   turns.Cancel(absl::InternalError("step failed"));
   turns.End();
-  EXPECT_TRUE(turns.Wait(Turn::kBackward, 0, 5).ok());
+  EXPECT_TRUE(turns.Wait(Turn::kGradientSum, 0, 5).ok());
   turns.Begin();
   absl::Status woken = absl::UnknownError("not woken");
   std::thread waiter([&] { woken = turns.Wait(Turn::kRoute, 0, 2); });

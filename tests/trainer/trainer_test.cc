@@ -443,9 +443,11 @@ TEST(RemoteTrainingTest, SharedMemoryTrainsBitForBitLikeMessages) {
   EXPECT_EQ(regions(), before);
 }
 
-// Micro-batches at once (one's dense work beside another's expert calls)
-// train bit for bit like one at a time: the routers' state, the groups'
-// gradient sums and the dense gradient sum all change in micro-batch order.
+// Micro-batches at once (one's dense work beside another's expert calls,
+// their Backwards sent as they come) train bit for bit like one at a time:
+// the routers' state, the groups' gradient sums (grad positions) and the
+// dense gradient sum all change in micro-batch order; and like in-process
+// training of the same micro-batches, within 1e-4.
 TEST(RemoteTrainingTest, MicroBatchesAtOnceTrainBitForBitLikeOneAtATime) {
   for (const EquivalenceParam& method : {EquivalenceParam{router::RoutingMethod::kHiMoe, 0.1},
                                          EquivalenceParam{router::RoutingMethod::kLossFree, 0},
@@ -478,6 +480,22 @@ TEST(RemoteTrainingTest, MicroBatchesAtOnceTrainBitForBitLikeOneAtATime) {
       ASSERT_TRUE(v.ok()) << run << ": " << v.status();
       val[in_flight - 1] = v->loss;
     }
+    // In process, the same micro-batches: equal within 1e-4.
+    auto local = Trainer::Create(o);
+    ASSERT_TRUE(local.ok()) << local.status();
+    for (int step = 0; step < 3; ++step) {
+      auto r = (*local)->Step();
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_NEAR(r->loss, losses[2][step], 1e-4) << "in process, step " << step + 1;
+      EXPECT_NEAR(r->grad_norm, norms[2][step], 1e-4 * std::max(1.0, r->grad_norm));
+    }
+    for (const auto& [name, tensor] : AllParameters(**local)) {
+      ASSERT_TRUE(params[2].count(name)) << name;
+      EXPECT_LE((tensor - params[2].at(name)).abs().max().item<double>(), 1e-4) << name;
+    }
+    auto v = (*local)->Evaluate();
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_NEAR(v->loss, val[2], 1e-4);
     for (int i = 1; i < 3; ++i) {
       SCOPED_TRACE(absl::StrCat(router::RoutingMethodName(method.method), ", ", i + 1,
                                 " in flight against 1"));
