@@ -24,7 +24,7 @@ namespace {
 
 std::optional<uint32_t> GradPosition(const v1::ExpertBackwardRequest& request) {
   if (!request.has_grad_position()) return std::nullopt;
-  return request.grad_position();
+  return request.grad_position().value();
 }
 
 // The experts' outputs `y` of rows `x` are finite, or an error saying so.

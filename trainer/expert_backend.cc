@@ -664,7 +664,7 @@ absl::StatusOr<std::vector<at::Tensor>> RemoteBackend::SendBackward(
       r.set_rank(f.rank());
       r.set_world_size(f.world_size());
       if (call.sent[i].grad_position >= 0) {
-        r.set_grad_position(static_cast<uint32_t>(call.sent[i].grad_position));
+        r.mutable_grad_position()->set_value(static_cast<uint32_t>(call.sent[i].grad_position));
       }
       const int64_t u = f.tokens().rows().shape(0);
       const at::Tensor g = grads[i].defined() ? grads[i].to(options_.wire_dtype).contiguous()

@@ -8,12 +8,7 @@ MicroBatchTurns::MicroBatchTurns(int layers)
     : layers_(std::max(layers, 0)), next_(static_cast<size_t>(layers_) + 1, 0) {}
 
 int MicroBatchTurns::Point(Turn turn, int layer) const {
-  switch (turn) {
-    case Turn::kRoute:
-      return layer;
-    case Turn::kGradientSum: break;
-  }
-  return layers_;
+  return turn == Turn::kRoute ? layer : layers_;
 }
 
 void MicroBatchTurns::Begin() {

@@ -1048,7 +1048,7 @@ TEST(ExpertTrainingCoreTest, PositionedBackwardsAddInPositionOrderWhateverTheArr
     std::vector<std::vector<at::Tensor>> input_grads(calls.size());
     for (const uint32_t mb : order) {
       v1::ExpertBackwardRequest b = BackwardRequest(Key{1, mb}, calls[mb].inputs, calls[mb].grads);
-      if (positioned) b.set_grad_position(mb);
+      if (positioned) b.mutable_grad_position()->set_value(mb);
       v1::ExpertBackwardResponse backward;
       const absl::Status s = core->Backward(b, &backward);
       EXPECT_TRUE(s.ok()) << s;
@@ -1099,7 +1099,7 @@ TEST(ExpertTrainingCoreTest, PositionedBackwardsAddInPositionOrderWhateverTheArr
   }
   for (const uint32_t mb : {0u, 2u}) {
     v1::ExpertBackwardRequest b = BackwardRequest(Key{1, mb}, calls[mb].inputs, calls[mb].grads);
-    b.set_grad_position(mb);
+    b.mutable_grad_position()->set_value(mb);
     v1::ExpertBackwardResponse backward;
     ASSERT_TRUE(gap->Backward(b, &backward).ok());
   }
@@ -1114,7 +1114,7 @@ TEST(ExpertTrainingCoreTest, PositionedBackwardsAddInPositionOrderWhateverTheArr
   s = gap->Step(StepRequest(1), &stepped);
   EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
   v1::ExpertBackwardRequest again = BackwardRequest(Key{1, 5}, calls[1].inputs, calls[1].grads);
-  again.set_grad_position(0);
+  again.mutable_grad_position()->set_value(0);
   v1::ExpertBackwardResponse backward;
   s = gap->Backward(again, &backward);
   EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
