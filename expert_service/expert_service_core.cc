@@ -520,21 +520,18 @@ absl::StatusOr<at::Tensor> ExpertServiceCore::RunBackward(const SavedKey& key, S
     // (positioned ones in position order).
     HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
     UseRankGradsLocked(rank);
+    DeferredWeightGrads work;
+    {
+      DeferWeightGradsScope defer(&work);
+      torch::autograd::backward({saved.output}, {grad_output});
+    }
     if (position.has_value()) {
-      DeferredWeightGrads work;
-      {
-        DeferWeightGradsScope defer(&work);
-        torch::autograd::backward({saved.output}, {grad_output});
-      }
       QueueInOrderLocked(rank, key.layer, *position, std::move(work));
-      if (!options_.defer_weight_grads) HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
     } else {
-      {
-        DeferWeightGradsScope defer(options_.defer_weight_grads ? &pending_weight_grads_ : nullptr);
-        torch::autograd::backward({saved.output}, {grad_output});
-      }
+      for (auto& w : work) pending_weight_grads_.push_back(std::move(w));
       pending_ranks_.resize(pending_weight_grads_.size(), rank);
     }
+    if (!options_.defer_weight_grads) HIMOE_RETURN_IF_ERROR(RunPendingWeightGradsLocked());
     input_grad = saved.input.grad();
     return absl::OkStatus();
   }));

@@ -1,5 +1,6 @@
 #include "trainer/backend_moe.h"
 
+#include <algorithm>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -37,7 +38,7 @@ absl::StatusOr<std::unique_ptr<BackendMoE>> BackendMoE::Create(const model::Mode
     HIMOE_ASSIGN_OR_RETURN(auto r, router::RouterLayer::Create(ro));
     moe->routers_.push_back(std::move(r));
   }
-  moe->next_position_.resize(moe->routers_.size());
+  moe->next_position_.assign(moe->routers_.size(), std::vector<int64_t>(o.routing.num_groups, 0));
   return moe;
 }
 
@@ -101,9 +102,7 @@ std::vector<int64_t> BackendMoE::GradPositions(int layer, uint32_t micro_batch,
                                                const router::RoutingOutput& routing) {
   std::vector<int64_t>& next = next_position_[layer];
   // Micro-batch 0 routes each layer first in a step (and in its retry).
-  if (micro_batch == 0 || next.size() != routing.groups.size()) {
-    next.assign(routing.groups.size(), 0);
-  }
+  if (micro_batch == 0) std::fill(next.begin(), next.end(), 0);
   std::vector<int64_t> positions(routing.groups.size(), -1);
   for (size_t g = 0; g < routing.groups.size(); ++g) {
     if (routing.groups[g].expert_ids.numel() > 0) positions[g] = next[g]++;
